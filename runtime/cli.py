@@ -1,0 +1,146 @@
+"""``sfa-rd2h``: the command line over spec, machines, checker and runtime.
+
+Each sub-command imports what it needs when it runs, so ``sfa-rd2h plan`` does not pay for
+hypothesis or zmq imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import sfa_rd2h.statemachines as _machines_pkg
+
+REPO_ROOT = Path(_machines_pkg.__file__).resolve().parent.parent
+
+
+def _default_diagrams_dir() -> Path:
+    here = REPO_ROOT / "diagrams"
+    return here if here.is_dir() else Path.cwd() / "diagrams"
+
+
+def cmd_diagrams(args: argparse.Namespace) -> int:
+    from sfa_rd2h.statemachines import render
+
+    out = Path(args.out) if args.out else _default_diagrams_dir()
+    if args.check:
+        stale = render.stale_diagrams(out)
+        if stale:
+            print(f"stale diagrams in {out}: {', '.join(stale)}; run 'sfa-rd2h diagrams'",
+                  file=sys.stderr)
+            return 1
+        print(f"diagrams in {out} match the machines")
+        return 0
+    for path in render.write_diagrams(out, svg=not args.no_svg):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_spec_export(args: argparse.Namespace) -> int:
+    from sfa_rd2h.statemachines import snapshot
+
+    if args.check:
+        path = Path(args.out) if args.out else snapshot.DEFAULT_PATH
+        if not snapshot.is_fresh(path):
+            print(f"{path} is stale; run 'sfa-rd2h spec export'", file=sys.stderr)
+            return 1
+        print(f"{path} matches the machines, wire schemas and rules")
+        return 0
+    if args.out == "-":
+        sys.stdout.write(snapshot.dumps(snapshot.export_spec()))
+        return 0
+    path = snapshot.write_snapshot(Path(args.out) if args.out else snapshot.DEFAULT_PATH)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_spec_diff(args: argparse.Namespace) -> int:
+    from sfa_rd2h.statemachines import snapshot
+
+    try:
+        old = json.loads(Path(args.old).read_text())
+        new = json.loads(Path(args.new).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"cannot read snapshot: {exc}", file=sys.stderr)
+        return 2
+    lines = snapshot.diff_specs(old, new)
+    if not lines:
+        print("no protocol changes")
+        return 0
+    print("\n".join(lines))
+    return 1 if args.exit_code else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from sfa_rd2h.spec.errors import ProtocolError
+    from sfa_rd2h.spec.topology import plan
+
+    try:
+        result = plan(args.p_tp, args.d_tp, args.kv_port, args.d_dp_rank)
+    except ProtocolError as exc:
+        print(f"invalid topology: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"p_tp={args.p_tp} d_tp={args.d_tp} kv_port={args.kv_port} "
+          f"global d_dp_rank={args.d_dp_rank}")
+    print("Prefill ranks (connect, never bind):")
+    print(f"  {'p_rank':>6} {'d_rank':>6} {'member':>6} {'ratio':>5} {'remote_port':>11}")
+    for row in result["prefill"]:
+        print(f"  {row['p_rank']:>6} {row['d_rank']:>6} {row['group_member_idx']:>6} "
+              f"{row['tp_ratio']:>5} {row['remote_port']:>11}")
+    print("Decode ranks (bind a ROUTER):")
+    print(f"  {'d_rank':>6} {'port':>6}")
+    for row in result["decode"]:
+        print(f"  {row['d_rank']:>6} {row['port']:>6}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sfa-rd2h",
+        description="RD2H KV-transfer protocol: spec, diagrams, model checker and runtime.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("diagrams", help="write DOT and SVG diagrams of every machine")
+    p.add_argument("--out", help="output folder (default: the repository's diagrams/)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if the committed DOT differs from the machines")
+    p.add_argument("--no-svg", action="store_true", help="write DOT only")
+    p.set_defaults(func=cmd_diagrams)
+
+    p = sub.add_parser("spec", help="the reviewable spec snapshot")
+    spec_sub = p.add_subparsers(dest="spec_command", required=True)
+    e = spec_sub.add_parser("export", help="write the canonical JSON snapshot (spec/snapshot.json)")
+    e.add_argument("--out", help="path, or - for stdout")
+    e.add_argument("--check", action="store_true", help="exit 1 if the snapshot is stale")
+    e.set_defaults(func=cmd_spec_export)
+    d = spec_sub.add_parser("diff", help="review the protocol changes between two snapshots")
+    d.add_argument("old")
+    d.add_argument("new")
+    d.add_argument("--exit-code", action="store_true", help="exit 1 when anything changed")
+    d.set_defaults(func=cmd_spec_diff)
+
+    p = sub.add_parser("plan", help="print the TP rank and port mapping of a deployment")
+    p.add_argument("--p-tp", type=int, required=True, help="Prefill tensor-parallel size")
+    p.add_argument("--d-tp", type=int, required=True, help="Decode tensor-parallel size")
+    p.add_argument("--kv-port", type=int, required=True, help="configured kv_port")
+    p.add_argument("--d-dp-rank", type=int, default=0, help="Decode global DP rank")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Sans-IO protocol core of one Prefill TP rank.
+
+It owns the completion gates of the physical slots (``prefill_slot`` machine, S1-S5), the
+handshake with every Decode endpoint (``peer_session``, W1, F3) and the per-request chunk
+progress (C2). Events come in as method calls with an explicit ``now``; what must happen on
+the wire comes back as actions. No sockets, threads, clocks or devices here: the threaded
+runtime and the model checker drive the very same object.
+
+Per layer the work is O(endpoints) messages; block arithmetic is numpy slicing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sfa_rd2h.runtime.actions import Action, Send
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.topology import TpMapping, prefill_share, rotation
+from sfa_rd2h.statemachines.engine import Driver, Observer
+from sfa_rd2h.statemachines.models import PeerSession, SlotGate
+
+
+class LayerSendError(ProtocolError):
+    """A layer's READY was answered with READ_FAILED or its reader vanished (S4)."""
+
+
+@dataclass(eq=False)
+class PrefillRequest:
+    """C2: what Prefill tracks per request."""
+
+    ext_req_id: str
+    endpoint: str
+    main_ids: np.ndarray
+    indexer_ids: np.ndarray
+    sent_blocks: int = 0  # blocks whose READY went out on every layer
+    chunk: tuple[int, int] | None = None
+    final: bool = False
+
+
+@dataclass(eq=False)
+class _Publication:
+    """The READYs of one layer still waiting for their endpoint's handshake."""
+
+    layer_idx: int
+    payload: bytes
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    session: PeerSession
+    held: list[_Publication] = field(default_factory=list)
+
+
+def slot_keys(meta: wire.LayerMeta) -> tuple[str, str | None]:
+    """S2: gates are named by storage address, never by layer name."""
+    main = f"main@{meta.base_addrs[0]:#x}"
+    idx = f"indexer@{meta.base_addrs[meta.main_tensor_count]:#x}" if meta.has_indexer else None
+    return main, idx
+
+
+class PrefillCore:
+    """One Prefill TP rank's view of the protocol."""
+
+    def __init__(
+        self,
+        p_rank: int,
+        mapping: TpMapping,
+        session: str,
+        layers: Mapping[str, wire.LayerMeta],
+        *,
+        reply_timeout: float = 60.0,
+        observer: Observer | None = None,
+    ) -> None:
+        self.p_rank = p_rank
+        self.mapping = mapping
+        self.member = mapping.group_member_idx(p_rank)
+        self.session = session
+        self.layer_names: tuple[str, ...] = tuple(layers)
+        self.reply_timeout = reply_timeout
+        self._meta = wire.MfMeta(session, dict(layers), wire.PROTOCOL_VERSION,
+                                 wire.LAYOUT_VERSION)
+        self._meta_payload = wire.encode(self._meta)
+        self._slots = Driver("prefill_slot", observer)
+        self._sessions = Driver("peer_session", observer)
+        self.gates: dict[str, SlotGate] = {}
+        self._layer_gates: list[tuple[SlotGate, ...]] = []
+        for name in self.layer_names:
+            keys = [k for k in slot_keys(layers[name]) if k is not None]
+            for k in keys:
+                if k not in self.gates:
+                    self.gates[k] = self._slots.start(SlotGate(k))
+            self._layer_gates.append(tuple(self.gates[k] for k in keys))
+        self._published_at: dict[str, float] = {}
+        self.endpoints: dict[str, _Endpoint] = {}
+        self.requests: dict[str, PrefillRequest] = {}
+        self.stale_replies = 0  # S5: duplicates and replies to an earlier publication
+
+    # ----------------------------------------------------------------- requests (C2)
+    def add_request(self, ext_req_id: str, endpoint: str, main_block_ids: Sequence[int],
+                    indexer_block_ids: Sequence[int]) -> None:
+        if ext_req_id in self.requests:
+            raise ProtocolError(f"C2: request {ext_req_id!r} is already tracked")
+        self.requests[ext_req_id] = PrefillRequest(
+            ext_req_id, endpoint,
+            np.asarray(main_block_ids, dtype=np.int64),
+            np.asarray(indexer_block_ids, dtype=np.int64))
+
+    def schedule_chunk(self, ext_req_id: str, stop: int, final: bool) -> None:
+        """This step computes the request's blocks up to position ``stop`` (C2)."""
+        req = self.requests[ext_req_id]
+        if not req.sent_blocks <= stop <= len(req.main_ids):
+            raise ProtocolError(
+                f"C2: chunk of {ext_req_id!r} ends at block {stop}, outside "
+                f"[{req.sent_blocks}, {len(req.main_ids)}]")
+        req.chunk = (req.sent_blocks, stop)
+        req.final = final
+
+    # ----------------------------------------------------------------- compute path
+    def gates_of(self, layer_idx: int) -> tuple[SlotGate, ...]:
+        return self._layer_gates[layer_idx]
+
+    def layer_writable(self, layer_idx: int) -> bool:
+        """Whether every slot of the layer is free (S1); raises a held failure (S4)."""
+        gates = self._layer_gates[layer_idx]
+        failed = [g for g in gates if g.state == "failed"]
+        if failed:
+            errors = "; ".join(g.error or "" for g in failed)
+            for g in failed:
+                self._slots.fire(g, "observe_error")
+            raise LayerSendError(f"S4: layer {layer_idx} cannot be written: {errors}")
+        return all(g.state == "free" for g in gates)
+
+    def begin_layer(self, layer_idx: int, now: float) -> None:
+        """The compute path is about to scatter this layer's KV into its slots (S1)."""
+        for g in self._layer_gates[layer_idx]:
+            self._slots.fire(g, "begin_write", layer_idx)
+
+    def layer_landed(self, layer_idx: int, now: float) -> list[Action]:
+        """The layer's device event signalled (C4): publish READY to every endpoint."""
+        gates = self._layer_gates[layer_idx]
+        for g in gates:
+            self._slots.fire(g, "scatter_landed")
+        by_endpoint = self._ready_payloads(layer_idx)
+        readers = frozenset(by_endpoint)
+        for g in gates:
+            self._slots.fire(g, "publish", readers)
+            self._published_at[g.key] = now
+        actions: list[Action] = []
+        for endpoint, payload in by_endpoint.items():
+            actions += self._send_ready(endpoint, _Publication(layer_idx, payload))
+        if layer_idx == len(self.layer_names) - 1:
+            self._close_chunks()
+        return actions
+
+    def _ready_payloads(self, layer_idx: int) -> dict[str, bytes]:
+        last_layer = layer_idx == len(self.layer_names) - 1
+        entries: dict[str, list[wire.ReadReq]] = {}
+        done: dict[str, list[str]] = {}
+        for req in self.requests.values():
+            if req.chunk is None:
+                continue
+            start, stop = req.chunk
+            share = prefill_share(start, stop, self.p_rank, self.mapping,
+                                  rotation(req.ext_req_id, start, self.mapping.d_tp))
+            entries.setdefault(req.endpoint, []).append(wire.ReadReq(
+                req.ext_req_id,
+                tuple(req.main_ids[share.main_slice].tolist()),
+                tuple(req.indexer_ids[share.indexer_slice].tolist()),
+                share.main_dest_start,
+                share.indexer_dest_start,
+            ))
+            if last_layer and req.final:
+                done.setdefault(req.endpoint, []).append(req.ext_req_id)
+        return {
+            ep: wire.encode(wire.ReadReadyBatch(
+                layer_idx, self.layer_names[layer_idx], tuple(reqs), tuple(done.get(ep, ())),
+                self.member, self.mapping.ratio))
+            for ep, reqs in entries.items()
+        }
+
+    def _close_chunks(self) -> None:
+        for ext in list(self.requests):
+            req = self.requests[ext]
+            if req.chunk is None:
+                continue
+            req.sent_blocks = req.chunk[1]
+            req.chunk = None
+            if req.final:
+                del self.requests[ext]
+
+    # ----------------------------------------------------------------- endpoints (W1, F3)
+    def _endpoint(self, endpoint: str) -> _Endpoint:
+        ep = self.endpoints.get(endpoint)
+        if ep is None:
+            ep = self.endpoints[endpoint] = _Endpoint(self._sessions.start(PeerSession(endpoint)))
+        return ep
+
+    def _send_ready(self, endpoint: str, pub: _Publication) -> list[Action]:
+        ep = self._endpoint(endpoint)
+        state = ep.session.state
+        if state == "established":
+            return [Send(endpoint, pub.payload)]
+        if state == "refused":
+            self._fail_reader(endpoint, pub.layer_idx, ep.session.error or "F3: refused")
+            return []
+        ep.held.append(pub)
+        if state == "disconnected":
+            self._sessions.fire(ep.session, "connect")
+            return [Send(endpoint, self._meta_payload)]
+        return []
+
+    # ----------------------------------------------------------------- replies
+    def on_frame(self, endpoint: str, frame: bytes, now: float) -> list[Action]:
+        """A frame from a Decode endpoint. Malformed input raises ``ProtocolError`` and
+        changes nothing; the runtime logs it and the reply timeout covers the lost ack."""
+        ep = self.endpoints.get(endpoint)
+        if ep is None:
+            raise ProtocolError(f"W3: frame from unknown endpoint {endpoint!r}")
+        msg = wire.decode_meta_reply(frame) if frame == wire.RAW_ACK else wire.decode(frame)
+        if isinstance(msg, wire.MfMetaAck):
+            if ep.session.state != "handshaking":
+                raise ProtocolError(
+                    f"W1: MF_META acknowledgement from {endpoint!r} in session state "
+                    f"{ep.session.state!r}")
+            return self._on_meta_reply(endpoint, ep, msg)
+        if isinstance(msg, wire.ReadDone):
+            self._on_reply(endpoint, msg.layer_idx, None)
+        elif isinstance(msg, wire.ReadFailed):
+            self._on_reply(endpoint, msg.layer_idx, msg.error)
+        else:
+            raise ProtocolError(f"W3: unexpected {type(msg).__name__} from Decode {endpoint!r}")
+        return []
+
+    def _on_meta_reply(self, endpoint: str, ep: _Endpoint, ack: wire.MfMetaAck) -> list[Action]:
+        if ack.accepted:
+            self._sessions.fire(ep.session, "meta_acked")
+            held, ep.held = ep.held, []
+            return [Send(endpoint, pub.payload) for pub in held]
+        self._sessions.fire(ep.session, "meta_refused", ack.error)
+        held, ep.held = ep.held, []
+        for pub in held:
+            self._fail_reader(endpoint, pub.layer_idx, ack.error)
+        return []
+
+    def _reply_gates(self, endpoint: str, layer_idx: int) -> list[SlotGate]:
+        """S5: the gates this reply may count for - the layer's own slots, currently owned by
+        that layer and still waiting for exactly this endpoint."""
+        if not 0 <= layer_idx < len(self._layer_gates):
+            return []
+        return [g for g in self._layer_gates[layer_idx]
+                if g.state == "awaiting_replies" and g.owner == layer_idx
+                and g.is_pending(endpoint)]
+
+    def _on_reply(self, endpoint: str, layer_idx: int, error: str | None) -> None:
+        gates = self._reply_gates(endpoint, layer_idx)
+        if not gates:
+            self.stale_replies += 1
+            return
+        for g in gates:
+            if error is None:
+                self._slots.fire(g, "reply_done", endpoint)
+            else:
+                self._slots.fire(g, "reply_failed", endpoint, error)
+
+    def _fail_reader(self, endpoint: str, layer_idx: int, error: str) -> None:
+        for g in self._reply_gates(endpoint, layer_idx):
+            self._slots.fire(g, "reply_failed", endpoint, error)
+
+    # ----------------------------------------------------------------- faults (S5)
+    def peer_gone(self, endpoint: str, now: float, reason: str = "peer lost") -> None:
+        """The endpoint disconnected or restarted: fail its outstanding reads, and start
+        over with MF_META on the next READY (W1)."""
+        ep = self.endpoints.get(endpoint)
+        if ep is None:
+            return
+        ep.held.clear()
+        if ep.session.state != "disconnected":
+            self._sessions.fire(ep.session, "peer_lost")
+        for g in self.gates.values():
+            if g.state == "awaiting_replies" and g.is_pending(endpoint):
+                self._slots.fire(g, "reader_lost", endpoint, f"S5: {reason}")
+
+    def tick(self, now: float) -> None:
+        """Declare lost every endpoint that left a READY unanswered for ``reply_timeout``."""
+        late = {
+            ep
+            for g in self.gates.values()
+            if g.state == "awaiting_replies" and now - self._published_at[g.key] >= self.reply_timeout
+            for ep in g.pending
+        }
+        for endpoint in sorted(late):
+            self.peer_gone(endpoint, now, f"no reply within {self.reply_timeout}s")
+
+    def next_deadline(self) -> float | None:
+        times = [self._published_at[g.key] + self.reply_timeout
+                 for g in self.gates.values() if g.state == "awaiting_replies"]
+        return min(times, default=None)

@@ -1,0 +1,431 @@
+"""Layout validation (L1) and read planning for one batched transfer (C4).
+
+Decode pulls from Prefill's registered memory. Before a layer is read, the source layout
+Prefill published in MF_META (W1) is checked against what Decode registered for that layer,
+and every block id is range-checked, so a mismatch fails the layer *before* any byte is
+written (L1: no partial update). Then the block pairs are turned into the three parallel
+arrays that ``batch_transfer_sync_read(session, local_addrs, peer_addrs, lengths)`` takes,
+with runs that are contiguous on both sides merged into one descriptor: fewer descriptors
+means less per-descriptor overhead in the transfer engine.
+
+Tensor order on both sides (W1 wire encoding): main tensors (K, V, ...), then the indexer
+if present, then the optional LIC8 scale, which only exists alongside an indexer. Main
+tensors use the main block ids; indexer and scale use the indexer block ids (T3).
+
+All per-block work is numpy; Python loops only run over tensors (a handful per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .errors import LayoutError
+
+_U64_MAX = (1 << 64) - 1
+_I64_MAX = (1 << 63) - 1
+
+
+class LayerLayout(Protocol):
+    """The per-layer source layout Prefill publishes in MF_META (``wire.LayerMeta`` fits).
+
+    Only these fields are read; whether a LIC8 scale tensor exists is derived from the
+    tensor count, so any object carrying them (a dataclass, a namedtuple) is accepted.
+    """
+
+    @property
+    def base_addrs(self) -> Sequence[int]: ...
+
+    @property
+    def block_len(self) -> Sequence[int]: ...
+
+    @property
+    def block_size_scale(self) -> Sequence[int]: ...
+
+    @property
+    def tensor_group_idx(self) -> Sequence[int]: ...
+
+    @property
+    def main_tensor_count(self) -> int: ...
+
+    @property
+    def has_indexer(self) -> bool: ...
+
+
+def _plain_int(value: Any, what: str) -> int:
+    # Bools are ints in Python; a bool where a size belongs is a caller bug, not a 0/1.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise LayoutError(f"L1: {what} must be an int, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class _SrcTensors:
+    """A source layout checked for internal consistency, with per-tensor external bytes."""
+
+    base_addrs: tuple[int, ...]
+    ext_block_bytes: tuple[int, ...]
+    main_tensor_count: int
+    has_indexer: bool
+    has_scale: bool
+
+
+def _check_src(src: LayerLayout) -> _SrcTensors:
+    """Reject a self-inconsistent source layout, so later comparisons compare like with like."""
+    try:
+        base = tuple(_plain_int(a, "prefill base address") for a in src.base_addrs)
+        blen = tuple(_plain_int(b, "prefill block_len") for b in src.block_len)
+        scale = tuple(_plain_int(s, "prefill block_size_scale") for s in src.block_size_scale)
+        main = _plain_int(src.main_tensor_count, "prefill main_tensor_count")
+        has_indexer = src.has_indexer
+    except (AttributeError, TypeError) as exc:
+        raise LayoutError(f"L1: prefill layer layout is malformed: {exc}") from exc
+    if not isinstance(has_indexer, (bool, np.bool_)):
+        raise LayoutError(f"L1: prefill has_indexer must be a bool, got {has_indexer!r}")
+    has_indexer = bool(has_indexer)
+    if not len(base) == len(blen) == len(scale):
+        raise LayoutError(
+            f"L1: prefill per-tensor field lengths differ: base_addrs {len(base)}, "
+            f"block_len {len(blen)}, block_size_scale {len(scale)}"
+        )
+    if main < 1:
+        raise LayoutError(f"L1: prefill main_tensor_count={main} must be >= 1")
+    extra = len(base) - main - int(has_indexer)
+    if extra not in (0, 1) or (extra == 1 and not has_indexer):
+        raise LayoutError(
+            f"L1: prefill tensor count {len(base)} does not fit main_tensor_count={main}, "
+            f"has_indexer={has_indexer} (+ optional LIC8 scale, only with an indexer)"
+        )
+    for i, (a, b, s) in enumerate(zip(base, blen, scale, strict=True)):
+        if a < 0 or b < 1 or s < 1:
+            raise LayoutError(
+                f"L1: prefill tensor {i} has base_addr={a}, block_len={b}, "
+                f"block_size_scale={s} (need >= 0, >= 1, >= 1)"
+            )
+    return _SrcTensors(
+        base_addrs=base,
+        ext_block_bytes=tuple(b * s for b, s in zip(blen, scale, strict=True)),
+        main_tensor_count=main,
+        has_indexer=has_indexer,
+        has_scale=extra == 1,
+    )
+
+
+@dataclass(frozen=True)
+class DestLayout:
+    """What Decode registered for one layer, in the same tensor order as the source.
+
+    ``num_blocks`` is each tensor's destination capacity: main tensors live in the
+    TP-shared CPU pool, indexer/scale in the rank-local NPU copy, so capacities can differ.
+    """
+
+    base_addrs: tuple[int, ...]
+    block_bytes: tuple[int, ...]
+    num_blocks: tuple[int, ...]
+    main_tensor_count: int
+    has_indexer: bool
+    has_scale: bool
+
+    def __post_init__(self) -> None:
+        # Normalise to tuples of plain ints so the frozen value is hashable and comparable.
+        for name in ("base_addrs", "block_bytes", "num_blocks"):
+            vals = tuple(_plain_int(v, f"decode {name}") for v in getattr(self, name))
+            object.__setattr__(self, name, vals)
+        main = _plain_int(self.main_tensor_count, "decode main_tensor_count")
+        object.__setattr__(self, "main_tensor_count", main)
+        for name in ("has_indexer", "has_scale"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise LayoutError(f"L1: decode {name} must be a bool")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if main < 1:
+            raise LayoutError(f"L1: decode main_tensor_count={main} must be >= 1")
+        if self.has_scale and not self.has_indexer:
+            raise LayoutError("L1: decode has a LIC8 scale tensor without an indexer")
+        n = main + int(self.has_indexer) + int(self.has_scale)
+        if not len(self.base_addrs) == len(self.block_bytes) == len(self.num_blocks) == n:
+            raise LayoutError(
+                f"L1: decode per-tensor field lengths (base_addrs {len(self.base_addrs)}, "
+                f"block_bytes {len(self.block_bytes)}, num_blocks {len(self.num_blocks)}) "
+                f"must all equal the tensor count {n}"
+            )
+        triples = zip(self.base_addrs, self.block_bytes, self.num_blocks, strict=True)
+        for i, (a, b, c) in enumerate(triples):
+            if a < 0 or b < 1 or c < 0:
+                raise LayoutError(
+                    f"L1: decode tensor {i} has base_addr={a}, block_bytes={b}, "
+                    f"num_blocks={c} (need >= 0, >= 1, >= 0)"
+                )
+
+    @property
+    def indexer_tensor(self) -> int | None:
+        """Tensor index of the indexer, or None."""
+        return self.main_tensor_count if self.has_indexer else None
+
+    @property
+    def scale_tensor(self) -> int | None:
+        """Tensor index of the LIC8 scale, or None."""
+        return self.main_tensor_count + 1 if self.has_scale else None
+
+
+def _mismatch(field: str, p: object, d: object) -> LayoutError:
+    return LayoutError(f"L1: {field}: prefill {p} != decode {d}")
+
+
+def validate_layer(src: LayerLayout, dst: DestLayout) -> None:
+    """Check that Prefill's published layer layout matches Decode's registration (L1).
+
+    Raises ``LayoutError`` naming the first field that differs and both values.
+    """
+    s = _check_src(src)
+    if s.main_tensor_count != dst.main_tensor_count:
+        raise _mismatch("main tensor count", s.main_tensor_count, dst.main_tensor_count)
+    for i in range(s.main_tensor_count):
+        if s.ext_block_bytes[i] != dst.block_bytes[i]:
+            raise _mismatch(
+                f"main tensor {i} block bytes", s.ext_block_bytes[i], dst.block_bytes[i]
+            )
+    if s.has_indexer != dst.has_indexer:
+        raise _mismatch("indexer presence", s.has_indexer, dst.has_indexer)
+    if s.has_indexer:
+        i = s.main_tensor_count
+        if s.ext_block_bytes[i] != dst.block_bytes[i]:
+            raise _mismatch("indexer block bytes", s.ext_block_bytes[i], dst.block_bytes[i])
+    if s.has_scale != dst.has_scale:
+        raise _mismatch("LIC8 scale presence", s.has_scale, dst.has_scale)
+    if s.has_scale:
+        i = s.main_tensor_count + 1
+        if s.ext_block_bytes[i] != dst.block_bytes[i]:
+            raise _mismatch("LIC8 scale block bytes", s.ext_block_bytes[i], dst.block_bytes[i])
+
+
+def as_block_ids(ids: Any, what: str) -> np.ndarray:
+    """Return ``ids`` as a 1-D int64 array, rejecting floats, bools and nested shapes."""
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise LayoutError(f"L1: {what} block ids must be 1-D, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise LayoutError(f"L1: {what} block ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and int(arr.max()) > _I64_MAX:
+        raise LayoutError(f"L1: {what} block id {int(arr.max())} is out of range")
+    return arr.astype(np.int64, copy=False)
+
+
+def validate_dest_range(dest_block_ids: Any, capacity: int, what: str) -> np.ndarray:
+    """Check destination ids lie in ``0..capacity-1`` and are distinct (L1: dest range).
+
+    A duplicate destination would be two reads racing into one block, so it is refused as
+    firmly as an out-of-range id. Returns the ids as int64.
+    """
+    ids = as_block_ids(dest_block_ids, what)
+    capacity = _plain_int(capacity, f"{what} destination capacity")
+    if ids.size == 0:
+        return ids
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= capacity:
+        bad = lo if lo < 0 else hi
+        raise LayoutError(
+            f"L1: {what} destination block id {bad} is outside 0..{capacity - 1} "
+            f"(capacity {capacity})"
+        )
+    if ids.size > 1:
+        srt = np.sort(ids)
+        dup = np.flatnonzero(srt[1:] == srt[:-1])
+        if dup.size:
+            raise LayoutError(
+                f"L1: {what} destination block id {int(srt[dup[0]])} appears more than once"
+            )
+    return ids
+
+
+def validate_src_range(src_block_ids: Any, num_blocks: int | None, what: str) -> np.ndarray:
+    """Check source ids are >= 0 and, if the source's block count is known, below it (L1).
+
+    Sources may legitimately repeat an id (several destinations of one source block), so
+    only the range is checked. Returns the ids as int64.
+    """
+    ids = as_block_ids(src_block_ids, what)
+    if ids.size == 0:
+        return ids
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise LayoutError(f"L1: {what} source block id {lo} is negative")
+    if num_blocks is not None:
+        num_blocks = _plain_int(num_blocks, f"{what} source block count")
+        if hi >= num_blocks:
+            raise LayoutError(
+                f"L1: {what} source block id {hi} is outside 0..{num_blocks - 1} "
+                f"(prefill registered {num_blocks})"
+            )
+    return ids
+
+
+@dataclass(frozen=True, eq=False)
+class ReadPlan:
+    """Descriptors for one batched read: parallel uint64 arrays, one entry per descriptor.
+
+    ``local_addrs`` are destinations on Decode, ``peer_addrs`` sources on Prefill, matching
+    ``batch_transfer_sync_read(session, local_addrs, peer_addrs, lengths)``.
+    """
+
+    local_addrs: np.ndarray
+    peer_addrs: np.ndarray
+    lengths: np.ndarray
+
+    def __post_init__(self) -> None:
+        arrs = [
+            np.asarray(a, dtype=np.uint64).reshape(-1)
+            for a in (self.local_addrs, self.peer_addrs, self.lengths)
+        ]
+        if not arrs[0].shape == arrs[1].shape == arrs[2].shape:
+            raise LayoutError(
+                f"L1: read plan arrays differ in length: local {arrs[0].size}, "
+                f"peer {arrs[1].size}, lengths {arrs[2].size}"
+            )
+        for name, arr in zip(("local_addrs", "peer_addrs", "lengths"), arrs, strict=True):
+            object.__setattr__(self, name, arr)
+
+    @classmethod
+    def empty(cls) -> ReadPlan:
+        z = np.zeros(0, dtype=np.uint64)
+        return cls(z, z, z)
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def total_bytes(self) -> int:
+        # Sum as Python ints would be exact but slow; uint64 cannot overflow for real plans
+        # (< 16 EiB), and an empty sum is 0.
+        return int(self.lengths.sum(dtype=np.uint64))
+
+    def coalesced(self) -> ReadPlan:
+        """Merge neighbours that continue each other on both sides into one descriptor.
+
+        Descriptor ``k+1`` extends ``k`` when both its source and its destination start
+        exactly where ``k`` ends. Order is kept; the set of (source byte, destination byte)
+        pairs and the total are unchanged.
+        """
+        n = len(self)
+        if n < 2:
+            return self
+        loc, peer, ln = self.local_addrs, self.peer_addrs, self.lengths
+        starts = np.ones(n, dtype=bool)
+        starts[1:] = (loc[1:] != loc[:-1] + ln[:-1]) | (peer[1:] != peer[:-1] + ln[:-1])
+        heads = np.flatnonzero(starts)
+        if heads.size == n:
+            return self
+        return ReadPlan(loc[heads], peer[heads], np.add.reduceat(ln, heads))
+
+
+def concat(plans: Iterable[ReadPlan]) -> ReadPlan:
+    """Merge the plans of several requests into one batch (one read per layer, C4).
+
+    Runs that happen to continue across request boundaries are coalesced too.
+    """
+    plans = [p for p in plans if len(p)]
+    if not plans:
+        return ReadPlan.empty()
+    if len(plans) == 1:
+        return plans[0]
+    return ReadPlan(
+        np.concatenate([p.local_addrs for p in plans]),
+        np.concatenate([p.peer_addrs for p in plans]),
+        np.concatenate([p.lengths for p in plans]),
+    ).coalesced()
+
+
+def _tensor_descs(
+    src_base: int,
+    dst_base: int,
+    nbytes: int,
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    what: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-block descriptors for one tensor: ``base + id * block_bytes`` on each side."""
+    # Check the highest address in Python ints: uint64 arithmetic would wrap silently.
+    for side, base, ids in (("prefill", src_base, src_ids), ("decode", dst_base, dst_ids)):
+        if base + (int(ids.max()) + 1) * nbytes - 1 > _U64_MAX:
+            raise LayoutError(f"L1: {what} {side} address overflows 64 bits")
+    b = np.uint64(nbytes)
+    peer = np.uint64(src_base) + src_ids.astype(np.uint64) * b
+    local = np.uint64(dst_base) + dst_ids.astype(np.uint64) * b
+    return local, peer, np.full(src_ids.size, b, dtype=np.uint64)
+
+
+def plan_layer_reads(
+    src: LayerLayout,
+    dst: DestLayout,
+    src_main_ids: Any,
+    dst_main_ids: Any,
+    src_idx_ids: Any,
+    dst_idx_ids: Any,
+    *,
+    src_num_blocks: Sequence[int] | None = None,
+) -> ReadPlan:
+    """Validate one layer of one request and build its coalesced read descriptors (L1, C4).
+
+    ``src_*_ids`` are Prefill block ids (from READY), ``dst_*_ids`` the Decode destination
+    block ids they land in, pairwise. Main ids apply to every main tensor; indexer ids to
+    the indexer and, if present, the LIC8 scale (T3). If the layer has no indexer, the
+    indexer ids are ignored (legacy READY entries repeat the main ids there). Everything is
+    checked before anything is built, so a bad layer yields an error, never a partial plan.
+    ``src_num_blocks`` (per tensor), when known, bounds the source ids.
+    """
+    validate_layer(src, dst)
+    s = _check_src(src)
+    n_tensors = len(s.base_addrs)
+    if src_num_blocks is not None and len(src_num_blocks) != n_tensors:
+        raise LayoutError(
+            f"L1: src_num_blocks has {len(src_num_blocks)} entries for {n_tensors} tensors"
+        )
+
+    groups = [("main", range(s.main_tensor_count), src_main_ids, dst_main_ids)]
+    if s.has_indexer:
+        groups.append(("indexer", range(s.main_tensor_count, n_tensors), src_idx_ids, dst_idx_ids))
+
+    # First pass: every check, so failure leaves nothing half-built (L1).
+    checked = []
+    for name, tensors, raw_src, raw_dst in groups:
+        sid = as_block_ids(raw_src, f"{name} prefill")
+        did = as_block_ids(raw_dst, f"{name} decode")
+        if sid.size != did.size:
+            raise _mismatch(f"{name} block id count", sid.size, did.size)
+        # The ids are shared by the group's tensors, so checking against the smallest
+        # capacity covers them all with one sort.
+        t_dst = min(tensors, key=lambda t: dst.num_blocks[t])
+        validate_dest_range(did, dst.num_blocks[t_dst], f"{name} tensor {t_dst}")
+        if src_num_blocks is None:
+            validate_src_range(sid, None, name)
+        else:
+            t_src = min(tensors, key=lambda t: src_num_blocks[t])
+            validate_src_range(sid, src_num_blocks[t_src], f"{name} tensor {t_src}")
+        checked.append((name, tensors, sid, did))
+
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for name, tensors, sid, did in checked:
+        if sid.size == 0:
+            continue
+        for t in tensors:
+            parts.append(
+                _tensor_descs(
+                    s.base_addrs[t],
+                    dst.base_addrs[t],
+                    s.ext_block_bytes[t],
+                    sid,
+                    did,
+                    f"{name} tensor {t}",
+                )
+            )
+    if not parts:
+        return ReadPlan.empty()
+    return ReadPlan(
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([p[2] for p in parts]),
+    ).coalesced()

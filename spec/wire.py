@@ -1,0 +1,935 @@
+"""RD2H wire schemas and codec (PROTOCOL.md W1-W5, "Wire encoding", F3).
+
+Everything here is a pure function or a frozen value: no sockets, no threads, no clock.
+The runtime hands raw frames in and gets typed messages out (or a ``WireError``), and the
+model checker drives the same code with simulated frames, so a codec bug shows up in both.
+
+Design choices that other modules rely on:
+
+* **One validation site.** Each message dataclass validates (and normalises lists to
+  tuples) in ``__post_init__``. The decoder only checks the *shape* of the msgpack array
+  and then calls the constructors, so a value that decodes is exactly a value that could
+  have been constructed, and nothing is validated twice on the hot path.
+* **Only ``WireError`` escapes a decoder (W5).** msgpack, Unicode, overflow and recursion
+  failures are translated; a final catch-all turns any remaining surprise into a
+  ``WireError`` whose text starts with ``internal decoder error`` so tests can tell such a
+  bug apart from a deliberate rejection.
+* **Extensions append fields (W4).** Decoders accept and ignore fields beyond the ones
+  they know (up to ``MAX_FIELDS``). Shapes that are neither a known legacy form nor a
+  known form plus appendices are rejected rather than guessed, because guessing a missing
+  destination offset or version would silently write to the wrong blocks (L1, F3).
+"""
+
+from __future__ import annotations
+
+import operator
+import reprlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import VersionMismatch, WireError
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "LEGACY_LAYOUT_VERSION",
+    "LEGACY_PROTOCOL_VERSION",
+    "MAX_ADDR",
+    "MAX_BLOCK_ID",
+    "MAX_BLOCK_LEN",
+    "MAX_BLOCK_SIZE_SCALE",
+    "MAX_BLOCKS_PER_ENTRY",
+    "MAX_ENTRIES",
+    "MAX_ERROR_LEN",
+    "MAX_FIELDS",
+    "MAX_FRAME_BYTES",
+    "MAX_GROUP_IDX",
+    "MAX_ID_LEN",
+    "MAX_LAYER_IDX",
+    "MAX_LAYERS",
+    "MAX_STR_LEN",
+    "MAX_TENSORS_PER_LAYER",
+    "MAX_TP_RATIO",
+    "MAX_VERSION",
+    "MF_META",
+    "MF_META_ACK",
+    "PROTOCOL_VERSION",
+    "RAW_ACK",
+    "READ_DONE",
+    "READ_FAILED",
+    "READ_READY_BATCH",
+    "LayerMeta",
+    "LayerTable",
+    "Message",
+    "MfMeta",
+    "MfMetaAck",
+    "ReadDone",
+    "ReadFailed",
+    "ReadReadyBatch",
+    "ReadReq",
+    "check_meta_ack",
+    "check_versions",
+    "decode",
+    "decode_layer_metadata",
+    "decode_meta_reply",
+    "encode",
+    "encode_layer_metadata",
+    "encode_meta_reply",
+    "external_request_id",
+    "layer_of",
+    "split_router_frames",
+]
+
+# --- Message kinds ("Wire encoding"): msgpack bin, exactly as the public connector sends.
+MF_META = b"mf_meta"
+READ_READY_BATCH = b"read_ready_batch"
+READ_DONE = b"read_done"
+READ_FAILED = b"read_failed"
+MF_META_ACK = b"mf_meta_ack"
+# The legacy reply to a 3-field MF_META is this single raw frame, not msgpack.
+RAW_ACK = b"ACK"
+
+# --- Versions (F3). A peer that sends no version is the legacy protocol, which is
+# version 1 of both by definition; kept separate from ours so that bumping ours later
+# makes a legacy peer a mismatch instead of silently matching.
+PROTOCOL_VERSION = 1
+LAYOUT_VERSION = 1
+LEGACY_PROTOCOL_VERSION = 1
+LEGACY_LAYOUT_VERSION = 1
+
+# --- Limits (W5). Generous for real deployments, small enough that a hostile or corrupt
+# frame cannot make the receiver allocate or loop without bound.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_FIELDS = 32  # appended W4 fields beyond this are not an extension but garbage
+MAX_STR_LEN = 4096  # layer names, session ids
+MAX_ID_LEN = 1024  # external request ids
+MAX_ERROR_LEN = 65536  # UTF-8 bytes of READ_FAILED / ack error text; cut on build
+MAX_BLOCK_ID = 2**31 - 1  # vLLM block ids and destination starts are int32 on device
+MAX_LAYER_IDX = 2**16 - 1
+MAX_TP_RATIO = 1024
+MAX_ENTRIES = 65536  # read_reqs / done_ext_ids per READY
+MAX_BLOCKS_PER_ENTRY = 2**20
+MAX_LAYERS = 4096
+MAX_TENSORS_PER_LAYER = 16
+MAX_ADDR = 2**64 - 1
+MAX_BLOCK_LEN = 2**40
+MAX_BLOCK_SIZE_SCALE = 2**16  # with MAX_BLOCK_LEN keeps ext_block_bytes below 2**63
+MAX_GROUP_IDX = 2**16 - 1
+MAX_VERSION = 2**32 - 1
+
+# Keys of one layer's metadata map, in the order the public connector writes them.
+_META_KEYS = (
+    "base_addrs",
+    "block_len",
+    "block_size_scale",
+    "tensor_group_idx",
+    "main_tensor_count",
+    "has_indexer",
+)
+
+_INT_ONLY = frozenset({int})
+
+# Short, bounded renderings of offending values: an error message must never cost more
+# than the frame it describes (reprlib caps list lengths, string lengths and depth).
+_repr = reprlib.Repr()
+_repr.maxstring = 60
+_repr.maxother = 60
+_repr.maxlong = 40
+_repr.maxlist = 6
+_repr.maxtuple = 6
+_repr.maxdict = 4
+_repr.maxlevel = 3
+
+
+def _show(value: object) -> str:
+    return f"{type(value).__name__} {_repr.repr(value)}"
+
+
+# --------------------------------------------------------------------------- validators
+# Python's bool is an int subclass and msgpack decodes true/false to bool, so every int
+# check below rejects bool explicitly: a `True` block id is a peer bug, not block 1.
+
+
+def _int(value: Any, field: str, lo: int, hi: int) -> int:
+    if type(value) is not int:
+        # Decoded frames only ever hold plain ints; this slower path lets local callers
+        # pass numpy integers, which have __index__, without letting bools or floats in.
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise WireError(f"{field}: expected int, got {_show(value)}")
+        value = operator.index(value)
+    if value < lo or value > hi:
+        raise WireError(f"{field}: {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _int_tuple(value: Any, field: str, lo: int, hi: int, max_len: int) -> tuple[int, ...]:
+    if type(value) is tuple:
+        items = value
+    elif type(value) is list:
+        items = tuple(value)
+    elif type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1:
+        # 1-D numpy array built by a local caller; tolist() yields plain Python scalars
+        # (and floats stay floats, so they are still refused below).
+        items = tuple(value.tolist())
+    else:
+        raise WireError(f"{field}: expected a list of ints, got {_show(value)}")
+    if len(items) > max_len:
+        raise WireError(f"{field}: {len(items)} items exceed the limit of {max_len}")
+    if not items:
+        return items
+    # Hot path (READY block ids): one C-level pass over the element types, then C-level
+    # min/max, instead of a Python-level check per block.
+    if set(map(type, items)) != _INT_ONLY:
+        items = tuple(_int(x, f"{field}[{i}]", lo, hi) for i, x in enumerate(items))
+    lo_seen = min(items)
+    hi_seen = max(items)
+    if lo_seen < lo or hi_seen > hi:
+        bad = lo_seen if lo_seen < lo else hi_seen
+        raise WireError(f"{field}[{items.index(bad)}]: {bad} is out of range [{lo}, {hi}]")
+    return items
+
+
+def _str(value: Any, field: str, max_len: int, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise WireError(f"{field}: expected str, got {_show(value)}")
+    if not value and not allow_empty:
+        raise WireError(f"{field}: must not be empty")
+    if len(value) > max_len:
+        raise WireError(f"{field}: {len(value)} characters exceed the limit of {max_len}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate cannot be sent as msgpack str; refuse it here, at
+            # construction, instead of failing later inside the encoder.
+            raise WireError(f"{field}: not encodable as UTF-8: {_show(value)}") from None
+    return value
+
+
+def _bool(value: Any, field: str) -> bool:
+    if type(value) is not bool:
+        raise WireError(f"{field}: expected bool, got {_show(value)}")
+    return value
+
+
+def _error_text(value: Any, field: str) -> str:
+    # Error text is diagnostic only: over-long or unencodable text from a local exception
+    # is repaired (lone surrogates -> "?", cut to MAX_ERROR_LEN UTF-8 bytes at a character
+    # boundary) rather than refused, so building a failure reply can never itself fail
+    # (S3/S4). Decoding still rejects longer text through the msgpack string limit.
+    if not isinstance(value, str):
+        raise WireError(f"{field}: expected str, got {_show(value)}")
+    if value.isascii():
+        return value[:MAX_ERROR_LEN]
+    raw = value.encode("utf-8", "replace")
+    if len(raw) <= MAX_ERROR_LEN and len(raw) == len(value.encode("utf-8", "ignore")):
+        return value
+    return raw[:MAX_ERROR_LEN].decode("utf-8", "ignore")
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    # Frozen dataclasses normalise their own fields once, at construction.
+    object.__setattr__(obj, name, value)
+
+
+# --------------------------------------------------------------------------- layer meta
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMeta:
+    """One main layer's source cache layout on Prefill (W1).
+
+    Tensor order: ``main_tensor_count`` main tensors (K, V, ...), then the indexer if
+    ``has_indexer``, then optionally the indexer's LIC8 scale. A scale without an
+    indexer is rejected: the scale quantises the indexer and has no meaning alone.
+    """
+
+    base_addrs: tuple[int, ...]
+    block_len: tuple[int, ...]
+    block_size_scale: tuple[int, ...]
+    tensor_group_idx: tuple[int, ...]
+    main_tensor_count: int
+    has_indexer: bool
+
+    def __post_init__(self) -> None:
+        n_max = MAX_TENSORS_PER_LAYER
+        addrs = _int_tuple(self.base_addrs, "base_addrs", 0, MAX_ADDR, n_max)
+        lens = _int_tuple(self.block_len, "block_len", 1, MAX_BLOCK_LEN, n_max)
+        scales = _int_tuple(
+            self.block_size_scale, "block_size_scale", 1, MAX_BLOCK_SIZE_SCALE, n_max
+        )
+        groups = _int_tuple(self.tensor_group_idx, "tensor_group_idx", 0, MAX_GROUP_IDX, n_max)
+        main = _int(self.main_tensor_count, "main_tensor_count", 1, n_max)
+        has_indexer = _bool(self.has_indexer, "has_indexer")
+        n = len(addrs)
+        for name, seq in (
+            ("block_len", lens),
+            ("block_size_scale", scales),
+            ("tensor_group_idx", groups),
+        ):
+            if len(seq) != n:
+                raise WireError(
+                    f"{name}: has {len(seq)} entries but base_addrs has {n}; "
+                    "every per-tensor list must have one entry per tensor"
+                )
+        base = main + int(has_indexer)
+        allowed = (base, base + 1) if has_indexer else (base,)
+        if n not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise WireError(
+                f"base_addrs: {n} tensors do not fit main_tensor_count={main}, "
+                f"has_indexer={has_indexer} (expected {want})"
+            )
+        _set(self, "base_addrs", addrs)
+        _set(self, "block_len", lens)
+        _set(self, "block_size_scale", scales)
+        _set(self, "tensor_group_idx", groups)
+        _set(self, "main_tensor_count", main)
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.base_addrs)
+
+    @property
+    def has_scale(self) -> bool:
+        """True when a LIC8 scale tensor follows the indexer."""
+        return len(self.base_addrs) == self.main_tensor_count + int(self.has_indexer) + 1
+
+    @property
+    def indexer_tensor_idx(self) -> int | None:
+        return self.main_tensor_count if self.has_indexer else None
+
+    @property
+    def scale_tensor_idx(self) -> int | None:
+        return self.main_tensor_count + 1 if self.has_scale else None
+
+    @property
+    def ext_block_bytes(self) -> tuple[int, ...]:
+        """Bytes of one external block per tensor: ``block_len[i] * block_size_scale[i]``."""
+        return tuple(b * s for b, s in zip(self.block_len, self.block_size_scale, strict=True))
+
+
+class LayerTable(Mapping[str, LayerMeta]):
+    """Immutable, hashable, insertion-ordered ``layer name -> LayerMeta`` map.
+
+    Order is kept because it is the order P wrote and re-encoding must reproduce it.
+    Equality and hashing follow ``dict`` semantics (order-insensitive), so
+    ``msg.layers == {"l0": meta}`` works as a reader expects.
+    """
+
+    __slots__ = ("_data", "_hash")
+
+    def __init__(self, layers: Mapping[str, LayerMeta] | Sequence[tuple[str, LayerMeta]]) -> None:
+        pairs = layers.items() if isinstance(layers, Mapping) else layers
+        data: dict[str, LayerMeta] = {}
+        for name, meta in pairs:
+            _str(name, "layer name", MAX_STR_LEN)
+            if not isinstance(meta, LayerMeta):
+                raise WireError(f"layers[{name!r}]: expected LayerMeta, got {_show(meta)}")
+            if name in data:
+                raise WireError(f"layers: duplicate layer name {name!r}")
+            data[name] = meta
+            if len(data) > MAX_LAYERS:
+                raise WireError(f"layers: more than {MAX_LAYERS} layers")
+        self._data = data
+        self._hash: int | None = None
+
+    def __getitem__(self, name: str) -> LayerMeta:
+        return self._data[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LayerTable):
+            return self._data == other._data
+        if isinstance(other, Mapping):
+            return self._data == dict(other.items())
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._data.items()))
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"LayerTable({self._data!r})"
+
+
+def _layer_meta_map(meta: LayerMeta) -> dict[str, Any]:
+    return {
+        "base_addrs": meta.base_addrs,
+        "block_len": meta.block_len,
+        "block_size_scale": meta.block_size_scale,
+        "tensor_group_idx": meta.tensor_group_idx,
+        "main_tensor_count": meta.main_tensor_count,
+        "has_indexer": meta.has_indexer,
+    }
+
+
+def encode_layer_metadata(layers: Mapping[str, LayerMeta]) -> bytes:
+    """Encode the W1 metadata blob: a msgpack map name -> layout map, in the given order."""
+    table = layers if isinstance(layers, LayerTable) else LayerTable(layers)
+    return msgpack.packb(
+        {name: _layer_meta_map(meta) for name, meta in table.items()}, use_bin_type=True
+    )
+
+
+class _Pairs(list):  # type: ignore[type-arg]
+    """A decoded msgpack map kept as its key/value pairs, so duplicates are visible."""
+
+
+def _unpack(data: bytes, *, pairs: bool = False) -> Any:
+    n = len(data)
+    if n > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {n} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+    try:
+        # Container limits are capped by the input length as well: msgpack preallocates a
+        # container from its declared size, and a 10-byte frame must not reserve megabytes.
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=_Pairs if pairs else None,
+            max_str_len=min(MAX_ERROR_LEN, n),
+            max_bin_len=n,
+            max_array_len=min(MAX_BLOCKS_PER_ENTRY, n),
+            max_map_len=min(MAX_LAYERS, n),
+            max_ext_len=0,
+        )
+    except msgpack.ExtraData:
+        raise WireError("not valid msgpack: trailing bytes after the message") from None
+    except msgpack.StackError:
+        raise WireError("not valid msgpack: nested too deeply") from None
+    except msgpack.FormatError:
+        raise WireError("not valid msgpack: reserved or invalid format byte") from None
+    except Exception as exc:  # msgpack raises many unrelated types; all mean "bad bytes"
+        raise WireError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
+
+
+def _layer_from_pairs(name: str, fields: Any) -> LayerMeta:
+    if type(fields) is not _Pairs:
+        raise WireError(f"expected a map of layout fields, got {_show(fields)}")
+    values: dict[str, Any] = {}
+    for key, value in fields:
+        if key not in _META_KEYS:
+            # Unknown layout fields are refused, not skipped: a field we do not understand
+            # may change where bytes live, and F3 says never to discover that as corruption.
+            raise WireError(f"unknown field {_show(key)}; expected only {', '.join(_META_KEYS)}")
+        if key in values:
+            raise WireError(f"duplicate field {key!r}")
+        values[key] = value
+    missing = [k for k in _META_KEYS if k not in values]
+    if missing:
+        raise WireError(f"missing field(s) {', '.join(missing)}")
+    return LayerMeta(**values)
+
+
+def _decode_layer_table(blob: Any) -> LayerTable:
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        raise WireError(f"layer metadata: expected msgpack bytes, got {_show(blob)}")
+    try:
+        top = _unpack(bytes(blob), pairs=True)
+    except WireError as exc:
+        raise WireError(f"layer metadata: {exc}") from None
+    if type(top) is not _Pairs:
+        raise WireError(f"layer metadata: expected a map of layer name -> layout, got {_show(top)}")
+    pairs: list[tuple[str, LayerMeta]] = []
+    for name, fields in top:
+        _str(name, "layer metadata: layer name", MAX_STR_LEN)
+        try:
+            pairs.append((name, _layer_from_pairs(name, fields)))
+        except WireError as exc:
+            raise WireError(f"layer metadata[{name!r}]: {exc}") from None
+    return LayerTable(pairs)
+
+
+def decode_layer_metadata(blob: bytes) -> dict[str, LayerMeta]:
+    """Decode a W1 metadata blob; raises only ``WireError``."""
+    try:
+        return dict(_decode_layer_table(blob).items())
+    except WireError:
+        raise
+    except Exception as exc:  # W5 backstop, see module docstring
+        raise WireError(f"internal decoder error: {type(exc).__name__}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class MfMeta:
+    """W1 ``(MF_META, p_session, blob[, protocol_version, layout_version, ...])``.
+
+    ``None`` versions mean the legacy 3-field form, which gets the raw ``b"ACK"`` reply.
+    """
+
+    p_session: str
+    layers: Mapping[str, LayerMeta]
+    protocol_version: int | None = None
+    layout_version: int | None = None
+
+    def __post_init__(self) -> None:
+        _str(self.p_session, "p_session", MAX_STR_LEN)
+        if not isinstance(self.layers, LayerTable):
+            if not isinstance(self.layers, Mapping):
+                raise WireError(f"layers: expected a mapping, got {_show(self.layers)}")
+            _set(self, "layers", LayerTable(self.layers))
+        pv, lv = self.protocol_version, self.layout_version
+        if (pv is None) != (lv is None):
+            raise WireError(
+                "protocol_version/layout_version: both or neither must be given "
+                f"(got {pv!r}, {lv!r})"
+            )
+        if pv is not None:
+            _set(self, "protocol_version", _int(pv, "protocol_version", 0, MAX_VERSION))
+            _set(self, "layout_version", _int(lv, "layout_version", 0, MAX_VERSION))
+
+    @property
+    def is_legacy(self) -> bool:
+        return self.protocol_version is None
+
+
+@dataclass(frozen=True, slots=True)
+class MfMetaAck:
+    """Structured reply to a versioned MF_META: ``[MF_META_ACK, accepted, pv, lv, error]``.
+
+    The versions are those of the *replying* Decode.
+    """
+
+    accepted: bool
+    protocol_version: int
+    layout_version: int
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        _bool(self.accepted, "accepted")
+        _set(
+            self,
+            "protocol_version",
+            _int(self.protocol_version, "protocol_version", 0, MAX_VERSION),
+        )
+        _set(self, "layout_version", _int(self.layout_version, "layout_version", 0, MAX_VERSION))
+        _set(self, "error", _error_text(self.error, "error"))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadReq:
+    """One W2 ``read_reqs`` entry: P source block ids and D destination start offsets."""
+
+    ext_req_id: str
+    p_main_block_ids: tuple[int, ...]
+    p_indexer_block_ids: tuple[int, ...]
+    main_dest_start: int = 0
+    indexer_dest_start: int = 0
+
+    def __post_init__(self) -> None:
+        _str(self.ext_req_id, "ext_req_id", MAX_ID_LEN)
+        main = _int_tuple(
+            self.p_main_block_ids, "p_main_block_ids", 0, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY
+        )
+        if self.p_indexer_block_ids is self.p_main_block_ids:
+            indexer = main  # legacy entries share one list; validate it once
+        else:
+            indexer = _int_tuple(
+                self.p_indexer_block_ids,
+                "p_indexer_block_ids",
+                0,
+                MAX_BLOCK_ID,
+                MAX_BLOCKS_PER_ENTRY,
+            )
+        _set(self, "p_main_block_ids", main)
+        _set(self, "p_indexer_block_ids", indexer)
+        _set(
+            self, "main_dest_start", _int(self.main_dest_start, "main_dest_start", 0, MAX_BLOCK_ID)
+        )
+        _set(
+            self,
+            "indexer_dest_start",
+            _int(self.indexer_dest_start, "indexer_dest_start", 0, MAX_BLOCK_ID),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadReadyBatch:
+    """W2 READY for one layer and one Decode endpoint; always encoded with 7 fields."""
+
+    layer_idx: int
+    layer_name: str
+    read_reqs: tuple[ReadReq, ...]
+    done_ext_ids: tuple[str, ...]
+    group_member_idx: int = 0
+    tp_ratio: int = 1
+
+    def __post_init__(self) -> None:
+        _set(self, "layer_idx", _int(self.layer_idx, "layer_idx", 0, MAX_LAYER_IDX))
+        _str(self.layer_name, "layer_name", MAX_STR_LEN)
+        reqs = self.read_reqs
+        if type(reqs) is not tuple:
+            if type(reqs) is not list:
+                raise WireError(f"read_reqs: expected a list, got {_show(reqs)}")
+            reqs = tuple(reqs)
+        if len(reqs) > MAX_ENTRIES:
+            raise WireError(f"read_reqs: {len(reqs)} entries exceed the limit of {MAX_ENTRIES}")
+        for i, req in enumerate(reqs):
+            if not isinstance(req, ReadReq):
+                raise WireError(f"read_reqs[{i}]: expected ReadReq, got {_show(req)}")
+        done = self.done_ext_ids
+        if type(done) is not tuple:
+            if type(done) is not list:
+                raise WireError(f"done_ext_ids: expected a list, got {_show(done)}")
+            done = tuple(done)
+        if len(done) > MAX_ENTRIES:
+            raise WireError(f"done_ext_ids: {len(done)} ids exceed the limit of {MAX_ENTRIES}")
+        for i, ext_id in enumerate(done):
+            _str(ext_id, f"done_ext_ids[{i}]", MAX_ID_LEN)
+        ratio = _int(self.tp_ratio, "tp_ratio", 1, MAX_TP_RATIO)
+        member = _int(self.group_member_idx, "group_member_idx", 0, MAX_TP_RATIO - 1)
+        if member >= ratio:
+            # T1: member index = p_rank % ratio, so it is always below the ratio.
+            raise WireError(f"group_member_idx: {member} must be below tp_ratio={ratio}")
+        _set(self, "read_reqs", reqs)
+        _set(self, "done_ext_ids", done)
+        _set(self, "tp_ratio", ratio)
+        _set(self, "group_member_idx", member)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """W3 ``(READ_DONE, layer_idx)``."""
+
+    layer_idx: int
+
+    def __post_init__(self) -> None:
+        _set(self, "layer_idx", _int(self.layer_idx, "layer_idx", 0, MAX_LAYER_IDX))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFailed:
+    """W3 ``(READ_FAILED, layer_idx, error)``; error text is truncated to MAX_ERROR_LEN."""
+
+    layer_idx: int
+    error: str
+
+    def __post_init__(self) -> None:
+        _set(self, "layer_idx", _int(self.layer_idx, "layer_idx", 0, MAX_LAYER_IDX))
+        _set(self, "error", _error_text(self.error, "error"))
+
+
+Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed | MfMetaAck
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _fields(msg: Message) -> tuple[Any, ...]:
+    # msgpack packs tuples as arrays, so tuples go out as-is with no per-block copy.
+    if isinstance(msg, ReadReadyBatch):
+        return (
+            READ_READY_BATCH,
+            msg.layer_idx,
+            msg.layer_name,
+            tuple(
+                (
+                    r.ext_req_id,
+                    r.p_main_block_ids,
+                    r.p_indexer_block_ids,
+                    r.main_dest_start,
+                    r.indexer_dest_start,
+                )
+                for r in msg.read_reqs
+            ),
+            msg.done_ext_ids,
+            msg.group_member_idx,
+            msg.tp_ratio,
+        )
+    if isinstance(msg, ReadDone):
+        return (READ_DONE, msg.layer_idx)
+    if isinstance(msg, ReadFailed):
+        return (READ_FAILED, msg.layer_idx, msg.error)
+    if isinstance(msg, MfMeta):
+        blob = encode_layer_metadata(msg.layers)
+        if msg.protocol_version is None:
+            return (MF_META, msg.p_session, blob)
+        return (MF_META, msg.p_session, blob, msg.protocol_version, msg.layout_version)
+    if isinstance(msg, MfMetaAck):
+        return (MF_META_ACK, msg.accepted, msg.protocol_version, msg.layout_version, msg.error)
+    raise WireError(f"cannot encode {_show(msg)}: not an RD2H message")
+
+
+def encode(msg: Message) -> bytes:
+    """Encode a message as one msgpack array frame (kinds as bin, strings as str)."""
+    payload = msgpack.packb(_fields(msg), use_bin_type=True)
+    if len(payload) > MAX_FRAME_BYTES:
+        # Refuse to send what every receiver must refuse (W5); the caller splits or fails.
+        raise WireError(
+            f"encoded {type(msg).__name__} is {len(payload)} bytes, over "
+            f"MAX_FRAME_BYTES={MAX_FRAME_BYTES}"
+        )
+    return payload
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _arity(name: str, fields: list[Any], allowed: str, ok: bool) -> None:
+    if not ok:
+        raise WireError(f"{name}: expected {allowed} fields, got {len(fields)}")
+
+
+def _decode_mf_meta(f: list[Any]) -> MfMeta:
+    n = len(f)
+    # 3 = legacy; 5+ = versioned (+ W4 appendices). 4 would be a protocol version with no
+    # layout version, which F3 cannot judge, so it is refused rather than defaulted.
+    _arity("mf_meta", f, "3 (legacy) or at least 5", n == 3 or n >= 5)
+    layers = _decode_layer_table(f[2])
+    if n == 3:
+        return MfMeta(f[1], layers)
+    return MfMeta(f[1], layers, f[3], f[4])
+
+
+def _decode_read_req(entry: Any) -> ReadReq:
+    if type(entry) is not list:
+        raise WireError(f"expected an array, got {_show(entry)}")
+    n = len(entry)
+    if n == 2:
+        # Legacy entry (ext_req_id, block_ids): one list for main and indexer, offsets 0.
+        return ReadReq(entry[0], entry[1], entry[1], 0, 0)
+    # 3 or 4 fields would leave a destination offset to guess; guessing 0 writes into the
+    # wrong D blocks, so those shapes are refused (W5) instead of defaulted.
+    _arity("read_req", entry, "2 (legacy) or at least 5", n >= 5)
+    return ReadReq(entry[0], entry[1], entry[2], entry[3], entry[4])
+
+
+def _decode_ready(f: list[Any]) -> ReadReadyBatch:
+    n = len(f)
+    # 5 = legacy single contributor (W4: member 0 of a group of 1); 7+ = current.
+    # 6 (a member index without its ratio) is not a form any sender produces.
+    _arity("read_ready_batch", f, "5 (legacy) or at least 7", n == 5 or n >= 7)
+    layer_idx = _int(f[1], "read_ready_batch: layer_idx", 0, MAX_LAYER_IDX)
+    raw_reqs = f[3]
+    if type(raw_reqs) is not list:
+        raise WireError(f"read_ready_batch: read_reqs: expected an array, got {_show(raw_reqs)}")
+    if len(raw_reqs) > MAX_ENTRIES:
+        raise WireError(
+            f"read_ready_batch: read_reqs: {len(raw_reqs)} entries exceed the limit of "
+            f"{MAX_ENTRIES}"
+        )
+    reqs = []
+    for i, entry in enumerate(raw_reqs):
+        try:
+            reqs.append(_decode_read_req(entry))
+        except WireError as exc:
+            raise WireError(f"read_ready_batch: read_reqs[{i}]: {exc}") from None
+    done = f[4]
+    if type(done) is not list:
+        raise WireError(f"read_ready_batch: done_ext_ids: expected an array, got {_show(done)}")
+    member, ratio = (f[5], f[6]) if n >= 7 else (0, 1)
+    try:
+        return ReadReadyBatch(layer_idx, f[2], tuple(reqs), tuple(done), member, ratio)
+    except WireError as exc:
+        raise WireError(f"read_ready_batch: {exc}") from None
+
+
+def _decode_done(f: list[Any]) -> ReadDone:
+    _arity("read_done", f, "at least 2", len(f) >= 2)
+    return ReadDone(f[1])
+
+
+def _decode_failed(f: list[Any]) -> ReadFailed:
+    _arity("read_failed", f, "at least 3", len(f) >= 3)
+    return ReadFailed(f[1], f[2])
+
+
+def _decode_ack(f: list[Any]) -> MfMetaAck:
+    _arity("mf_meta_ack", f, "at least 5", len(f) >= 5)
+    return MfMetaAck(f[1], f[2], f[3], f[4])
+
+
+_DECODERS = {
+    READ_READY_BATCH: _decode_ready,
+    READ_DONE: _decode_done,
+    READ_FAILED: _decode_failed,
+    MF_META: _decode_mf_meta,
+    MF_META_ACK: _decode_ack,
+}
+
+
+def _decode(payload: Any) -> Message:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise WireError(f"frame: expected bytes, got {_show(payload)}")
+    fields = _unpack(bytes(payload))
+    if type(fields) is not list:
+        raise WireError(f"frame: top level must be a msgpack array, got {_show(fields)}")
+    if not fields:
+        raise WireError("frame: empty array, no message kind")
+    if len(fields) > MAX_FIELDS:
+        raise WireError(f"frame: {len(fields)} fields exceed the limit of {MAX_FIELDS}")
+    kind = fields[0]
+    if type(kind) is not bytes:
+        # The public connector sends kinds as msgpack bin; a str kind is a different,
+        # incompatible encoder and is named as such.
+        raise WireError(f"frame: message kind must be msgpack bin (bytes), got {_show(kind)}")
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise WireError(f"frame: unknown message kind {_repr.repr(kind)}")
+    try:
+        return decoder(fields)
+    except WireError as exc:
+        text = str(exc)
+        prefix = kind.decode()
+        # Prefix the kind once, so every message says which message was wrong.
+        raise WireError(text if text.startswith(prefix) else f"{prefix}: {text}") from None
+
+
+def decode(payload: bytes) -> Message:
+    """Decode one payload frame; raises only ``WireError`` (W5)."""
+    try:
+        return _decode(payload)
+    except WireError:
+        raise
+    except Exception as exc:  # W5 backstop, see module docstring
+        raise WireError(f"internal decoder error: {type(exc).__name__}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+def check_versions(msg: MfMeta) -> MfMetaAck:
+    """F3 on Decode: accept a peer whose versions equal ours, refuse anything else.
+
+    A legacy MF_META carries no versions and is judged as version 1 of both.
+    """
+    pv = LEGACY_PROTOCOL_VERSION if msg.protocol_version is None else msg.protocol_version
+    lv = LEGACY_LAYOUT_VERSION if msg.layout_version is None else msg.layout_version
+    problems = []
+    if pv != PROTOCOL_VERSION:
+        problems.append(f"F3: protocol version {pv} from prefill, decode speaks {PROTOCOL_VERSION}")
+    if lv != LAYOUT_VERSION:
+        problems.append(f"F3: layout version {lv} from prefill, decode speaks {LAYOUT_VERSION}")
+    return MfMetaAck(not problems, PROTOCOL_VERSION, LAYOUT_VERSION, "; ".join(problems))
+
+
+def encode_meta_reply(msg: MfMeta, ack: MfMetaAck) -> bytes:
+    """The frame Decode sends back for ``msg``.
+
+    A legacy peer only understands the raw ``b"ACK"``; anything it would not understand
+    (including a refusal) goes out structured, which a legacy peer reports as an
+    unexpected reply — a loud failure, as F3 asks.
+    """
+    if msg.protocol_version is None and ack.accepted:
+        return RAW_ACK
+    return encode(ack)
+
+
+def decode_meta_reply(frame: bytes) -> MfMetaAck:
+    """Decode Decode's reply to MF_META (on Prefill).
+
+    A raw ``b"ACK"`` comes from a legacy Decode, which by definition speaks the legacy
+    versions; it is reported as accepted with ``LEGACY_*_VERSION`` (today equal to ours)
+    so that ``check_meta_ack`` refuses it once our versions move on.
+    """
+    if isinstance(frame, bytes | bytearray | memoryview) and bytes(frame) == RAW_ACK:
+        return MfMetaAck(True, LEGACY_PROTOCOL_VERSION, LEGACY_LAYOUT_VERSION, "")
+    msg = decode(frame)
+    if not isinstance(msg, MfMetaAck):
+        raise WireError(f"mf_meta reply: expected ACK or mf_meta_ack, got {type(msg).__name__}")
+    return msg
+
+
+def check_meta_ack(ack: MfMetaAck) -> None:
+    """F3 on Prefill: raise ``VersionMismatch`` unless Decode accepted and matches us."""
+    if not ack.accepted:
+        raise VersionMismatch(f"F3: decode refused the handshake: {ack.error or 'no reason given'}")
+    if ack.protocol_version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"F3: decode speaks protocol version {ack.protocol_version}, "
+            f"prefill speaks {PROTOCOL_VERSION}"
+        )
+    if ack.layout_version != LAYOUT_VERSION:
+        raise VersionMismatch(
+            f"F3: decode speaks layout version {ack.layout_version}, "
+            f"prefill speaks {LAYOUT_VERSION}"
+        )
+
+
+# --------------------------------------------------------------------------- framing & ids
+
+
+def split_router_frames(frames: Sequence[bytes]) -> tuple[bytes, bytes]:
+    """``[identity, b"", payload]`` or ``[identity, payload]`` -> ``(identity, payload)``."""
+    if not isinstance(frames, Sequence) or isinstance(frames, bytes | bytearray | str):
+        raise WireError(f"router frames: expected a sequence of frames, got {_show(frames)}")
+    if len(frames) < 2:
+        raise WireError(f"router frames: expected identity and payload, got {len(frames)} frame(s)")
+    out = []
+    for i, frame in enumerate(frames):
+        if not isinstance(frame, bytes | bytearray | memoryview):
+            raise WireError(f"router frames[{i}]: expected bytes, got {_show(frame)}")
+        out.append(bytes(frame))
+    identity = out[0]
+    if not identity:
+        raise WireError("router frames[0]: empty identity")
+    payload = [f for f in out[1:] if f]
+    if len(payload) != 1:
+        raise WireError(
+            f"router frames: expected exactly one non-empty payload frame, got {len(payload)}"
+        )
+    return identity, payload[0]
+
+
+def layer_of(payload: bytes) -> int | None:
+    """Best-effort layer index of a READY that failed to decode, so D can answer
+    READ_FAILED instead of leaving P's slot gate waiting (W5, S3). Never raises."""
+    try:
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            return None
+        # The kind and layer index sit in the first ~32 bytes; reading only a prefix keeps
+        # this cheap and lets even oversized or truncated frames be answered.
+        head = bytes(memoryview(payload)[:64])
+        unpacker = msgpack.Unpacker(
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=64,
+            max_str_len=64,
+            max_bin_len=64,
+            max_array_len=64,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+        unpacker.feed(head)
+        if unpacker.read_array_header() < 2:
+            return None
+        if unpacker.unpack() != READ_READY_BATCH:
+            return None
+        idx = unpacker.unpack()
+        if type(idx) is int and 0 <= idx <= MAX_LAYER_IDX:
+            return idx
+        return None
+    except Exception:
+        return None
+
+
+def external_request_id(vllm_request_id: str) -> str:
+    """Strip vLLM's 9-character engine suffix (the id P and D share on the wire)."""
+    if not isinstance(vllm_request_id, str):
+        raise WireError(f"vllm request id: expected str, got {_show(vllm_request_id)}")
+    if len(vllm_request_id) <= 9:
+        # The public connector returns such ids unchanged; here that would let two
+        # different internal ids collide or map to an empty id, so it is refused.
+        raise WireError(
+            f"vllm request id {vllm_request_id!r}: must be longer than its 9-character "
+            "engine suffix"
+        )
+    ext = vllm_request_id[:-9]
+    if len(ext) > MAX_ID_LEN:
+        raise WireError(
+            f"vllm request id: external id of {len(ext)} characters exceeds {MAX_ID_LEN}"
+        )
+    return ext

@@ -1,0 +1,454 @@
+"""Layout validation (L1) and read-descriptor planning with coalescing (C4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sfa_rd2h.spec.errors import LayoutError, ProtocolError
+from sfa_rd2h.spec.layout import (
+    DestLayout,
+    ReadPlan,
+    concat,
+    plan_layer_reads,
+    validate_dest_range,
+    validate_layer,
+    validate_src_range,
+)
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Stand-in for ``wire.LayerMeta``: the same fields, so the tests don't depend on wire.py."""
+
+    base_addrs: tuple[int, ...]
+    block_len: tuple[int, ...]
+    block_size_scale: tuple[int, ...]
+    tensor_group_idx: tuple[int, ...]
+    main_tensor_count: int
+    has_indexer: bool
+
+    @property
+    def ext_block_bytes(self) -> tuple[int, ...]:
+        return tuple(b * s for b, s in zip(self.block_len, self.block_size_scale, strict=True))
+
+    @property
+    def has_scale(self) -> bool:
+        return len(self.base_addrs) > self.main_tensor_count + int(self.has_indexer)
+
+
+def make_pair(
+    main_bytes: tuple[int, ...] = (4096, 4096),
+    indexer_bytes: int | None = 512,
+    scale_bytes: int | None = 64,
+    num_blocks: int = 64,
+    src_scale: int = 1,
+) -> tuple[Meta, DestLayout]:
+    """A matching source/destination pair with tensors far apart in both address spaces."""
+    sizes = list(main_bytes)
+    if indexer_bytes is not None:
+        sizes.append(indexer_bytes)
+    if scale_bytes is not None:
+        sizes.append(scale_bytes)
+    n = len(sizes)
+    src = Meta(
+        base_addrs=tuple(0x1000_0000 * (t + 1) for t in range(n)),
+        block_len=tuple(b // src_scale for b in sizes),
+        block_size_scale=(src_scale,) * n,
+        tensor_group_idx=tuple(range(n)),
+        main_tensor_count=len(main_bytes),
+        has_indexer=indexer_bytes is not None,
+    )
+    dst = DestLayout(
+        base_addrs=tuple(0x7000_0000_0000 + 0x100_0000 * t for t in range(n)),
+        block_bytes=tuple(sizes),
+        num_blocks=(num_blocks,) * n,
+        main_tensor_count=len(main_bytes),
+        has_indexer=indexer_bytes is not None,
+        has_scale=scale_bytes is not None,
+    )
+    return src, dst
+
+
+# ---------------------------------------------------------------- validate_layer
+
+
+def test_matching_layouts_pass() -> None:
+    validate_layer(*make_pair())
+    validate_layer(*make_pair(indexer_bytes=None, scale_bytes=None))
+    validate_layer(*make_pair(scale_bytes=None))
+    # External block = block_len * block_size_scale (here 1024 * 4 == 4096 etc.).
+    validate_layer(*make_pair(src_scale=4))
+
+
+def _replace_dst(dst: DestLayout, **kw: object) -> DestLayout:
+    fields = {
+        "base_addrs": dst.base_addrs,
+        "block_bytes": dst.block_bytes,
+        "num_blocks": dst.num_blocks,
+        "main_tensor_count": dst.main_tensor_count,
+        "has_indexer": dst.has_indexer,
+        "has_scale": dst.has_scale,
+    }
+    fields.update(kw)
+    return DestLayout(**fields)  # type: ignore[arg-type]
+
+
+NO_IDX = {"indexer_bytes": None, "scale_bytes": None}
+
+
+@pytest.mark.parametrize(
+    ("src_kw", "dst_kw", "message"),
+    [
+        (
+            {},
+            {"main_bytes": (4096, 2048)},
+            "main tensor 1 block bytes: prefill 4096 != decode 2048",
+        ),
+        (
+            {},
+            {"main_bytes": (1024, 4096)},
+            "main tensor 0 block bytes: prefill 4096 != decode 1024",
+        ),
+        ({}, {"main_bytes": (4096,)}, "main tensor count: prefill 2 != decode 1"),
+        ({}, NO_IDX, "indexer presence: prefill True != decode False"),
+        (NO_IDX, {}, "indexer presence: prefill False != decode True"),
+        ({}, {"indexer_bytes": 256}, "indexer block bytes: prefill 512 != decode 256"),
+        ({}, {"scale_bytes": None}, "LIC8 scale presence: prefill True != decode False"),
+        ({"scale_bytes": None}, {}, "LIC8 scale presence: prefill False != decode True"),
+        ({}, {"scale_bytes": 32}, "LIC8 scale block bytes: prefill 64 != decode 32"),
+    ],
+)
+def test_layout_mismatch_names_field_and_both_values(
+    src_kw: dict[str, object], dst_kw: dict[str, object], message: str
+) -> None:
+    src, _ = make_pair(**src_kw)  # type: ignore[arg-type]
+    _, dst = make_pair(**dst_kw)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError) as exc:
+        validate_layer(src, dst)
+    assert str(exc.value) == "L1: " + message
+    assert isinstance(exc.value, ProtocolError)
+
+
+def test_block_size_scale_counts() -> None:
+    src, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    src = Meta((src.base_addrs[0],), (1024,), (2,), (0,), 1, False)  # 2048 external bytes
+    with pytest.raises(LayoutError, match=r"^L1: main tensor 0 block bytes: prefill 2048 != "):
+        validate_layer(src, dst)
+
+
+@pytest.mark.parametrize(
+    ("src", "needle"),
+    [
+        (Meta((1, 2), (8,), (1, 1), (0, 1), 2, False), "per-tensor field lengths differ"),
+        (Meta((1, 2), (8, 8), (1, 1), (0, 1), 0, False), "main_tensor_count=0"),
+        (Meta((1, 2, 3), (8, 8, 8), (1, 1, 1), (0, 1, 2), 2, False), "tensor count 3"),
+        (Meta((1, 2, 3, 4, 5), (8,) * 5, (1,) * 5, (0,) * 5, 2, True), "tensor count 5"),
+        (Meta((1, 2), (8, 0), (1, 1), (0, 1), 2, False), "tensor 1 has base_addr=2, block_len=0"),
+        (Meta((1, 2), (8, 8), (1, 0), (0, 1), 2, False), "block_size_scale=0"),
+        (Meta((1, 2), (8, 8), (1, 1), (0, 1), 2, 1), "has_indexer must be a bool"),  # type: ignore[arg-type]
+        (Meta((1, 2), (8, 8.0), (1, 1), (0, 1), 2, False), "block_len must be an int"),  # type: ignore[arg-type]
+    ],
+)  # fmt: skip
+def test_malformed_source_layout(src: Meta, needle: str) -> None:
+    _, dst = make_pair(indexer_bytes=None, scale_bytes=None, main_bytes=(8, 8))
+    with pytest.raises(LayoutError, match=r"^L1: ") as exc:
+        validate_layer(src, dst)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"has_scale": True, "has_indexer": False}, "LIC8 scale tensor without an indexer"),
+        ({"num_blocks": (4, 4)}, "must all equal the tensor count 4"),
+        ({"block_bytes": (0, 1, 1, 1)}, "tensor 0 has base_addr"),
+        ({"num_blocks": (1, 1, 1, -1)}, "num_blocks=-1"),
+        ({"main_tensor_count": 0}, "main_tensor_count=0"),
+        ({"has_indexer": 1}, "has_indexer must be a bool"),
+    ],
+)
+def test_malformed_dest_layout(kw: dict[str, object], needle: str) -> None:
+    _, dst = make_pair()
+    with pytest.raises(LayoutError, match=r"^L1: ") as exc:
+        _replace_dst(dst, **kw)
+    assert needle in str(exc.value)
+
+
+def test_dest_layout_normalises_to_tuples() -> None:
+    d = DestLayout([1, 2], [8, 8], [4, 4], 2, False, False)  # type: ignore[arg-type]
+    assert d.base_addrs == (1, 2) and d.indexer_tensor is None and d.scale_tensor is None
+    assert hash(d) == hash(DestLayout((1, 2), (8, 8), (4, 4), 2, False, False))
+    _, full = make_pair()
+    assert full.indexer_tensor == 2 and full.scale_tensor == 3
+
+
+# ---------------------------------------------------------------- id range checks
+
+
+def test_dest_range() -> None:
+    assert validate_dest_range([3, 0, 15], 16, "main").tolist() == [3, 0, 15]
+    assert validate_dest_range([], 0, "main").size == 0
+    with pytest.raises(LayoutError, match=r"^L1: main destination block id 16 is outside 0..15"):
+        validate_dest_range(np.array([1, 16]), 16, "main")
+    with pytest.raises(LayoutError, match=r"^L1: idx destination block id -1 is outside"):
+        validate_dest_range([-1, 2], 16, "idx")
+    with pytest.raises(LayoutError, match=r"^L1: main destination block id 4 appears more"):
+        validate_dest_range([4, 5, 4], 16, "main")
+    with pytest.raises(LayoutError, match=r"must be integers"):
+        validate_dest_range([1.0, 2.0], 16, "main")
+    with pytest.raises(LayoutError, match=r"must be integers"):
+        validate_dest_range([True], 16, "main")
+    with pytest.raises(LayoutError, match=r"must be 1-D"):
+        validate_dest_range([[1, 2]], 16, "main")
+    with pytest.raises(LayoutError, match=r"out of range"):
+        validate_dest_range(np.array([2**63], dtype=np.uint64), 16, "main")
+
+
+def test_src_range() -> None:
+    # Repeats are fine on the source side; the count is only checked when known.
+    assert validate_src_range([7, 7, 10**6], None, "main").tolist() == [7, 7, 10**6]
+    with pytest.raises(LayoutError, match=r"^L1: main source block id -2 is negative"):
+        validate_src_range([-2], None, "main")
+    with pytest.raises(LayoutError, match=r"^L1: main source block id 8 is outside 0..7"):
+        validate_src_range([8], 8, "main")
+
+
+# ---------------------------------------------------------------- plan_layer_reads
+
+
+def test_contiguous_ids_collapse_to_one_descriptor_per_tensor() -> None:
+    src, dst = make_pair()
+    plan = plan_layer_reads(src, dst, [10, 11, 12, 13], [0, 1, 2, 3], [20, 21], [5, 6])
+    assert len(plan) == 4  # K, V, indexer, scale
+    assert plan.peer_addrs.tolist() == [
+        0x1000_0000 + 10 * 4096,
+        0x2000_0000 + 10 * 4096,
+        0x3000_0000 + 20 * 512,
+        0x4000_0000 + 20 * 64,
+    ]
+    assert plan.local_addrs.tolist() == [
+        0x7000_0000_0000 + 0 * 4096,
+        0x7000_0100_0000 + 0 * 4096,
+        0x7000_0200_0000 + 5 * 512,
+        0x7000_0300_0000 + 5 * 64,
+    ]
+    assert plan.lengths.tolist() == [4 * 4096, 4 * 4096, 2 * 512, 2 * 64]
+    assert plan.total_bytes == 2 * 4 * 4096 + 2 * 512 + 2 * 64
+    assert all(a.dtype == np.uint64 for a in (plan.local_addrs, plan.peer_addrs, plan.lengths))
+
+
+def test_run_breaks_when_either_side_jumps() -> None:
+    src, dst = make_pair(main_bytes=(100,), indexer_bytes=None, scale_bytes=None)
+    # src 1,2,3 | 5 (src jump) ; dst 0,1,2 | 3 ; then src 6 with dst 9 (dst jump)
+    plan = plan_layer_reads(src, dst, [1, 2, 3, 5, 6], [0, 1, 2, 3, 9], [], [])
+    assert plan.lengths.tolist() == [300, 100, 100]
+    assert (plan.peer_addrs - np.uint64(src.base_addrs[0])).tolist() == [100, 500, 600]
+    assert (plan.local_addrs - np.uint64(dst.base_addrs[0])).tolist() == [0, 300, 900]
+
+
+def test_block_size_scale_sets_source_stride() -> None:
+    src, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None, src_scale=4)
+    assert src.block_len == (1024,)
+    plan = plan_layer_reads(src, dst, [3], [1], [], [])
+    assert plan.peer_addrs.tolist() == [src.base_addrs[0] + 3 * 4096]
+    assert plan.lengths.tolist() == [4096]
+
+
+def test_layer_without_indexer_ignores_indexer_ids() -> None:
+    # Legacy READY entries repeat the main ids as indexer ids (W4 / legacy encoding).
+    src, dst = make_pair(indexer_bytes=None, scale_bytes=None)
+    plan = plan_layer_reads(src, dst, [1, 2], [3, 4], [1, 2], [3, 4])
+    assert len(plan) == 2 and plan.total_bytes == 4 * 4096
+
+
+def test_id_count_mismatch() -> None:
+    src, dst = make_pair()
+    with pytest.raises(LayoutError, match=r"^L1: main block id count: prefill 3 != decode 2"):
+        plan_layer_reads(src, dst, [1, 2, 3], [1, 2], [], [])
+    with pytest.raises(LayoutError, match=r"^L1: indexer block id count: prefill 1 != decode 0"):
+        plan_layer_reads(src, dst, [], [], [1], [])
+
+
+def test_plan_checks_ranges_and_layout_before_building() -> None:
+    src, dst = make_pair(num_blocks=8)
+    with pytest.raises(LayoutError, match=r"^L1: main tensor 0 destination block id 8"):
+        plan_layer_reads(src, dst, [0], [8], [], [])
+    with pytest.raises(LayoutError, match=r"^L1: indexer tensor 2 destination block id 9"):
+        plan_layer_reads(src, dst, [0], [0], [0], [9])
+    with pytest.raises(LayoutError, match=r"^L1: main tensor 1 source block id 5 is outside"):
+        plan_layer_reads(src, dst, [5], [0], [], [], src_num_blocks=(10, 5, 10, 10))
+    with pytest.raises(LayoutError, match=r"4 tensors"):
+        plan_layer_reads(src, dst, [5], [0], [], [], src_num_blocks=(10,))
+    _, bad = make_pair(indexer_bytes=128)
+    with pytest.raises(LayoutError, match=r"^L1: indexer block bytes"):
+        plan_layer_reads(src, bad, [0], [0], [0], [0])
+
+
+def test_smallest_capacity_bounds_shared_ids() -> None:
+    src, dst = make_pair()
+    dst = _replace_dst(dst, num_blocks=(64, 8, 64, 64))
+    with pytest.raises(LayoutError, match=r"^L1: main tensor 1 destination block id 8"):
+        plan_layer_reads(src, dst, [0], [8], [], [])
+
+
+def test_address_overflow_is_refused() -> None:
+    src, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    src = Meta(((1 << 64) - 4096,), (4096,), (1,), (0,), 1, False)
+    assert len(plan_layer_reads(src, dst, [0], [0], [], [])) == 1
+    with pytest.raises(LayoutError, match=r"overflows 64 bits"):
+        plan_layer_reads(src, dst, [1], [0], [], [])
+
+
+def test_empty_plan() -> None:
+    src, dst = make_pair()
+    plan = plan_layer_reads(src, dst, [], [], [], [])
+    assert len(plan) == 0 and plan.total_bytes == 0
+    assert len(ReadPlan.empty()) == 0 and len(concat([])) == 0
+
+
+def test_concat_merges_requests_and_coalesces_boundaries() -> None:
+    src, dst = make_pair(main_bytes=(16,), indexer_bytes=None, scale_bytes=None)
+    a = plan_layer_reads(src, dst, [0, 1], [0, 1], [], [])
+    b = plan_layer_reads(src, dst, [2, 3], [2, 3], [], [])  # continues a on both sides
+    c = plan_layer_reads(src, dst, [9], [20], [], [])
+    merged = concat([a, ReadPlan.empty(), b, c])
+    assert merged.lengths.tolist() == [64, 16]
+    assert merged.total_bytes == a.total_bytes + b.total_bytes + c.total_bytes
+    assert concat([c]) is c
+
+
+def test_readplan_rejects_ragged_arrays() -> None:
+    with pytest.raises(LayoutError, match=r"differ in length"):
+        ReadPlan(np.zeros(2), np.zeros(2), np.zeros(3))
+
+
+# ---------------------------------------------------------------- property: vs naive reference
+
+
+def naive_byte_pairs(
+    src: Meta,
+    dst: DestLayout,
+    src_main: list[int],
+    dst_main: list[int],
+    src_idx: list[int],
+    dst_idx: list[int],
+) -> list[tuple[int, int]]:
+    """Per block, per byte: which source byte lands on which destination byte."""
+    pairs = []
+    n = len(src.base_addrs)
+    for t in range(n):
+        ids = zip(src_main, dst_main, strict=True) if t < src.main_tensor_count else None
+        if ids is None:
+            ids = zip(src_idx, dst_idx, strict=True)
+        ext = src.block_len[t] * src.block_size_scale[t]
+        for s_id, d_id in ids:
+            for off in range(ext):
+                pairs.append(
+                    (
+                        src.base_addrs[t] + s_id * ext + off,
+                        dst.base_addrs[t] + d_id * dst.block_bytes[t] + off,
+                    )
+                )
+    return sorted(pairs)
+
+
+def plan_byte_pairs(plan: ReadPlan) -> list[tuple[int, int]]:
+    pairs = []
+    for loc, peer, ln in zip(
+        plan.local_addrs.tolist(), plan.peer_addrs.tolist(), plan.lengths.tolist(), strict=True
+    ):
+        pairs.extend((peer + off, loc + off) for off in range(ln))
+    return sorted(pairs)
+
+
+@st.composite
+def id_pairs(draw: st.DrawFn, capacity: int) -> tuple[list[int], list[int]]:
+    """Runs of consecutive ids (so coalescing has work to do), dst ids distinct."""
+    runs = draw(
+        st.lists(
+            st.tuples(st.integers(1, 5), st.integers(0, 40), st.integers(0, 3)),
+            max_size=6,
+        )
+    )
+    src_ids: list[int] = []
+    dst_ids: list[int] = []
+    next_dst = 0
+    for length, src_start, gap in runs:
+        next_dst += gap
+        if next_dst + length > capacity:
+            break
+        src_ids.extend(range(src_start, src_start + length))
+        dst_ids.extend(range(next_dst, next_dst + length))
+        next_dst += length
+    order = draw(st.permutations(range(len(src_ids)))) if draw(st.booleans()) else None
+    if order is not None:
+        src_ids = [src_ids[i] for i in order]
+        dst_ids = [dst_ids[i] for i in order]
+    return src_ids, dst_ids
+
+
+@given(
+    data=st.data(),
+    n_main=st.integers(1, 3),
+    indexer=st.sampled_from(["none", "indexer", "indexer+scale"]),
+    block_len=st.integers(1, 4),
+    scale=st.integers(1, 3),
+)
+@settings(max_examples=150, deadline=None)
+def test_plan_matches_naive_reference(
+    data: st.DataObject, n_main: int, indexer: str, block_len: int, scale: int
+) -> None:
+    ext = block_len * scale
+    src, dst = make_pair(
+        main_bytes=(ext,) * n_main,
+        indexer_bytes=None if indexer == "none" else ext + 1,
+        scale_bytes=ext + 2 if indexer == "indexer+scale" else None,
+        num_blocks=40,
+    )
+    # Main tensors split their external size into block_len * scale; the rest use scale 1.
+    n_rest = len(src.base_addrs) - n_main
+    src = Meta(
+        src.base_addrs,
+        (block_len,) * n_main + src.block_len[n_main:],
+        (scale,) * n_main + (1,) * n_rest,
+        src.tensor_group_idx,
+        src.main_tensor_count,
+        src.has_indexer,
+    )
+    src_main, dst_main = data.draw(id_pairs(40))
+    src_idx, dst_idx = data.draw(id_pairs(40)) if indexer != "none" else ([], [])
+
+    plan = plan_layer_reads(src, dst, src_main, dst_main, np.array(src_idx), np.array(dst_idx))
+    expected = naive_byte_pairs(src, dst, src_main, dst_main, src_idx, dst_idx)
+    assert plan.total_bytes == len(expected)
+    assert plan_byte_pairs(plan) == expected
+    # Coalescing is complete: no two neighbours continue each other on both sides.
+    loc, peer, ln = (a.astype(object) for a in (plan.local_addrs, plan.peer_addrs, plan.lengths))
+    for k in range(len(plan) - 1):
+        assert not (loc[k] + ln[k] == loc[k + 1] and peer[k] + ln[k] == peer[k + 1])
+    # And never more descriptors than block pairs.
+    assert len(plan) <= n_main * len(src_main) + n_rest * len(src_idx)
+
+
+@given(
+    plans=st.lists(
+        st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(1, 4)), max_size=8),
+        max_size=5,
+    )
+)
+def test_concat_preserves_byte_pairs(plans: list[list[tuple[int, int, int]]]) -> None:
+    rps = [
+        ReadPlan(
+            np.array([d for _, d, _ in p], dtype=np.uint64),
+            np.array([s for s, _, _ in p], dtype=np.uint64),
+            np.array([n for _, _, n in p], dtype=np.uint64),
+        )
+        for p in plans
+    ]
+    merged = concat(rps)
+    assert merged.total_bytes == sum(r.total_bytes for r in rps)
+    assert plan_byte_pairs(merged) == sorted(pair for r in rps for pair in plan_byte_pairs(r))

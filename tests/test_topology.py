@@ -1,0 +1,322 @@
+"""Unequal-TP mapping, ports and block shares (T1-T5, P1-P2, X3)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sfa_rd2h.spec.errors import ProtocolError, TopologyError
+from sfa_rd2h.spec.topology import (
+    Share,
+    TpMapping,
+    decode_base_port,
+    decode_rank_port,
+    indexer_share,
+    main_share,
+    plan,
+    prefill_share,
+    remote_port,
+    rotation,
+    split_bounds,
+    tp_mapping,
+)
+
+# ---------------------------------------------------------------- T1 mapping
+
+
+def test_mapping_4_to_2() -> None:
+    m = tp_mapping(4, 2)
+    assert m == TpMapping(4, 2)
+    assert m.ratio == 2
+    assert [m.d_rank(p) for p in range(4)] == [0, 0, 1, 1]
+    assert [m.group_member_idx(p) for p in range(4)] == [0, 1, 0, 1]
+    assert m.d_rank(3) == 1 and m.group_member_idx(3) == 1
+    assert m.contributors(0) == range(0, 2)
+    assert m.contributors(1) == range(2, 4)
+
+
+def test_mapping_equal_tp_is_legacy_ratio_1() -> None:
+    m = tp_mapping(8, 8)
+    assert m.ratio == 1
+    assert all(m.d_rank(p) == p and m.group_member_idx(p) == 0 for p in range(8))
+
+
+def test_numpy_ints_are_accepted() -> None:
+    assert tp_mapping(np.int64(16), np.int32(4)).ratio == 4
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "needle"),
+    [
+        (3, 2, "T1: p_tp=3 is not a multiple of d_tp=2"),
+        (2, 4, "T1: p_tp=2 is smaller than d_tp=4"),
+        (0, 1, "T1: p_tp=0"),
+        (4, 0, "T1: d_tp=0"),
+        (-4, 2, "T1: p_tp=-4"),
+        (True, 1, "T1: p_tp must be an int"),
+        (4, True, "T1: d_tp must be an int"),
+        (4.0, 2, "T1: p_tp must be an int"),
+        ("4", 2, "T1: p_tp must be an int"),
+        (None, 2, "T1: p_tp must be an int"),
+        (6, 4, "T1: p_tp=6 is not a multiple of d_tp=4"),
+    ],
+)
+def test_invalid_topologies(p_tp: object, d_tp: object, needle: str) -> None:
+    with pytest.raises(TopologyError) as exc:
+        tp_mapping(p_tp, d_tp)  # type: ignore[arg-type]
+    assert str(exc.value).startswith(needle)
+    assert isinstance(exc.value, ProtocolError)
+
+
+@pytest.mark.parametrize(("kw"), [{"d_pcp": 2}, {"d_dcp": 2}, {"d_dcp": 0}])
+def test_x3_decode_is_tp_only(kw: dict[str, int]) -> None:
+    with pytest.raises(TopologyError, match=r"^X3: "):
+        tp_mapping(4, 2, **kw)
+
+
+def test_rank_range_checks() -> None:
+    m = tp_mapping(4, 2)
+    for bad in (4, -1):
+        with pytest.raises(TopologyError, match=r"^T1: p_rank"):
+            m.d_rank(bad)
+        with pytest.raises(TopologyError, match=r"^T1: p_rank"):
+            m.group_member_idx(bad)
+    with pytest.raises(TopologyError, match=r"^T1: d_rank=2 is outside 0..1"):
+        m.contributors(2)
+
+
+@given(d_tp=st.integers(1, 16), ratio=st.integers(1, 16))
+def test_contributor_groups_partition_prefill_ranks(d_tp: int, ratio: int) -> None:
+    m = tp_mapping(d_tp * ratio, d_tp)
+    seen: list[int] = []
+    for d in range(d_tp):
+        group = m.contributors(d)
+        assert len(group) == ratio
+        assert [m.d_rank(p) for p in group] == [d] * ratio
+        assert [m.group_member_idx(p) for p in group] == list(range(ratio))
+        seen.extend(group)
+    assert seen == list(range(m.p_tp))
+
+
+# ---------------------------------------------------------------- P1 / P2 ports
+
+
+def test_ports_example() -> None:
+    base = decode_base_port(30000, 1, 2)
+    assert base == 30002
+    assert [decode_rank_port(base, r, 2) for r in range(2)] == [30002, 30003]
+    assert [remote_port(base, r, 2) for r in range(2)] == [30002, 30003]
+    assert decode_base_port(30000, 0, 8) == 30000
+    assert decode_base_port(30000, 3, 8) == 30024
+
+
+def test_p2_overflow_names_p2() -> None:
+    with pytest.raises(TopologyError, match=r"^P2: .*65536"):
+        decode_base_port(65535, 0, 2)
+    with pytest.raises(TopologyError, match=r"^P2: "):
+        decode_base_port(65000, 100, 8)
+    # The last port that still fits.
+    assert decode_base_port(65534, 0, 2) == 65534
+    # Prefill re-validates an advertised base port it did not compute itself.
+    with pytest.raises(TopologyError, match=r"^P2: "):
+        remote_port(65535, 0, 2)
+    with pytest.raises(TopologyError, match=r"^P2: base port 0"):
+        remote_port(0, 0, 1)
+    with pytest.raises(TopologyError, match=r"^P2: Decode TP rank 2"):
+        remote_port(30000, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("args", "prefix"),
+    [
+        ((0, 0, 1), "P1: kv_port=0"),
+        ((65536, 0, 1), "P1: kv_port=65536"),
+        ((30000, -1, 1), "P1: global_dp_rank=-1"),
+        ((30000, 0, 0), "P1: d_tp=0"),
+        ((30000, True, 1), "P1: global_dp_rank must be an int"),
+    ],
+)
+def test_invalid_port_inputs(args: tuple[object, ...], prefix: str) -> None:
+    with pytest.raises(TopologyError) as exc:
+        decode_base_port(*args)  # type: ignore[arg-type]
+    assert str(exc.value).startswith(prefix)
+
+
+def test_decode_rank_port_range() -> None:
+    with pytest.raises(TopologyError, match=r"^P1: Decode TP rank 4"):
+        decode_rank_port(30000, 4, 4)
+
+
+def test_plan_table() -> None:
+    p = plan(4, 2, 30000, 1)
+    assert p["prefill"] == [
+        {"p_rank": 0, "d_rank": 0, "group_member_idx": 0, "tp_ratio": 2, "remote_port": 30002},
+        {"p_rank": 1, "d_rank": 0, "group_member_idx": 1, "tp_ratio": 2, "remote_port": 30002},
+        {"p_rank": 2, "d_rank": 1, "group_member_idx": 0, "tp_ratio": 2, "remote_port": 30003},
+        {"p_rank": 3, "d_rank": 1, "group_member_idx": 1, "tp_ratio": 2, "remote_port": 30003},
+    ]
+    assert p["decode"] == [{"d_rank": 0, "port": 30002}, {"d_rank": 1, "port": 30003}]
+    assert p["base_port"] == 30002 and p["tp_ratio"] == 2
+    with pytest.raises(TopologyError, match=r"^T1: "):
+        plan(3, 2, 30000, 0)
+    with pytest.raises(TopologyError, match=r"^P2: "):
+        plan(4, 2, 65535, 0)
+
+
+# ---------------------------------------------------------------- T2 / T3 / T5 shares
+
+
+def test_rotation_is_crc32_and_stable_across_processes() -> None:
+    # hash() is salted per process; crc32 must give the same answer in a fresh interpreter.
+    code = (
+        "from sfa_rd2h.spec.topology import rotation;"
+        "print([rotation('req-%d' % i, 3, 7) for i in range(20)])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    ).stdout
+    assert out.strip() == str([rotation(f"req-{i}", 3, 7) for i in range(20)])
+    assert rotation("abc", 0, 1) == 0
+    assert rotation("abc", 5, 4) == (0x352441C2 + 5) % 4  # zlib.crc32(b"abc")
+
+
+def test_main_share_examples() -> None:
+    # 10 blocks over 4 ranks: sizes 3,3,2,2; with rotation 1, rank 1 gets the first piece.
+    assert [main_share(0, 10, d, 4, 0) for d in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [main_share(0, 10, d, 4, 1) for d in range(4)] == [(8, 10), (0, 3), (3, 6), (6, 8)]
+    # A 1-block chunk lands on the rotated rank; the others get empty ranges.
+    assert [main_share(5, 6, d, 4, 2) for d in range(4)] == [(6, 6), (6, 6), (5, 6), (6, 6)]
+
+
+def test_indexer_share_examples() -> None:
+    assert [indexer_share(4, 11, m, 3) for m in range(3)] == [(4, 7), (7, 9), (9, 11)]
+    assert [indexer_share(0, 1, m, 2) for m in range(2)] == [(0, 1), (1, 1)]
+
+
+def test_prefill_share_example() -> None:
+    m = tp_mapping(4, 2)
+    shares = [prefill_share(0, 8, p, m, 0) for p in range(4)]
+    assert shares == [
+        Share(main=(0, 4), indexer=(0, 4)),
+        Share(main=(0, 0), indexer=(4, 8)),  # T2: member 1 sends no main KV
+        Share(main=(4, 8), indexer=(0, 4)),
+        Share(main=(0, 0), indexer=(4, 8)),
+    ]
+    assert shares[2].main_dest_start == 4 and shares[1].indexer_dest_start == 4
+    ids = np.arange(100, 108)
+    assert ids[shares[2].main_slice].tolist() == [104, 105, 106, 107]
+    assert ids[shares[1].main_slice].tolist() == []
+
+
+@pytest.mark.parametrize(
+    ("call", "prefix"),
+    [
+        (lambda: main_share(5, 4, 0, 2, 0), "T5: chunk [5, 4)"),
+        (lambda: main_share(0, 4, 2, 2, 0), "T5: d_rank=2"),
+        (lambda: main_share(0, 4, 0, 0, 0), "T5: d_tp=0"),
+        (lambda: main_share(-1, 4, 0, 2, 0), "T5: start=-1"),
+        (lambda: indexer_share(0, 4, 3, 3), "T3: member=3"),
+        (lambda: indexer_share(0, 4, 0, 0), "T3: ratio=0"),
+        (lambda: rotation(b"x", 0, 2), "T5: ext_req_id"),
+        (lambda: prefill_share(0, 4, 4, tp_mapping(4, 2), 0), "T1: p_rank=4"),
+    ],
+)
+def test_share_argument_checks(call, prefix: str) -> None:  # noqa: ANN001
+    with pytest.raises(TopologyError) as exc:
+        call()
+    assert str(exc.value).startswith(prefix)
+
+
+def _assert_tiles(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
+    """Ranges are well formed, pairwise disjoint and cover exactly [start, stop)."""
+    covered = np.zeros(stop - start, dtype=np.int64)
+    for lo, hi in ranges:
+        assert start <= lo <= hi <= stop
+        covered[lo - start : hi - start] += 1
+    assert (covered == 1).all()
+    sizes = [hi - lo for lo, hi in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+chunks = st.tuples(st.integers(0, 10_000), st.integers(0, 300)).map(lambda t: (t[0], t[0] + t[1]))
+
+
+@given(chunk=chunks, d_tp=st.integers(1, 32), rot=st.integers(0, 1000))
+def test_main_shares_tile_the_chunk(chunk: tuple[int, int], d_tp: int, rot: int) -> None:
+    start, stop = chunk
+    ranges = [main_share(start, stop, d, d_tp, rot) for d in range(d_tp)]
+    _assert_tiles(ranges, start, stop)
+    # T5: the piece order is a rotation: the rotated rank holds the first piece.
+    assert ranges[rot % d_tp][0] == start
+
+
+@given(chunk=chunks, ratio=st.integers(1, 32))
+def test_indexer_shares_tile_the_chunk(chunk: tuple[int, int], ratio: int) -> None:
+    start, stop = chunk
+    _assert_tiles([indexer_share(start, stop, m, ratio) for m in range(ratio)], start, stop)
+
+
+@given(chunk=chunks, d_tp=st.sampled_from([1, 2, 4, 8]), ratio=st.sampled_from([1, 2, 3, 4]))
+@settings(max_examples=60)
+def test_prefill_shares_per_decode_rank(chunk: tuple[int, int], d_tp: int, ratio: int) -> None:
+    """Over all P ranks: main written once per D-rank share, full indexer on every D rank."""
+    start, stop = chunk
+    m = tp_mapping(d_tp * ratio, d_tp)
+    rot = rotation("req", start, d_tp)
+    shares = [prefill_share(start, stop, p, m, rot) for p in range(m.p_tp)]
+    # T2 + T5: the non-empty main ranges of all P ranks tile the chunk exactly once.
+    _assert_tiles([s.main for p, s in enumerate(shares) if m.group_member_idx(p) == 0], start, stop)
+    assert all(s.main[0] == s.main[1] for p, s in enumerate(shares) if m.group_member_idx(p))
+    # T3: each D rank's contributors together cover the whole indexer range.
+    for d in range(d_tp):
+        _assert_tiles([shares[p].indexer for p in m.contributors(d)], start, stop)
+
+
+@given(d_tp=st.integers(2, 16), chunk_start=st.integers(0, 1000))
+@settings(max_examples=30)
+def test_rotation_spreads_single_block_chunks(d_tp: int, chunk_start: int) -> None:
+    """T5: one-block chunks of many requests land on every D rank, not always rank 0."""
+    owners = set()
+    for i in range(64 * d_tp):
+        rot = rotation(f"cmpl-{i:08x}", chunk_start, d_tp)
+        ranges = [main_share(chunk_start, chunk_start + 1, d, d_tp, rot) for d in range(d_tp)]
+        owner = [d for d, (lo, hi) in enumerate(ranges) if hi > lo]
+        assert len(owner) == 1
+        owners.add(owner[0])
+    assert owners == set(range(d_tp))
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30),
+    d_tp=st.integers(1, 12),
+    req=st.text(max_size=20),
+)
+def test_rotation_balances_a_whole_request(sizes: list[int], d_tp: int, req: str) -> None:
+    """Consecutive chunks continue the round robin: per-rank totals differ by at most 1."""
+    totals = np.zeros(d_tp, dtype=np.int64)
+    start = 0
+    for n in sizes:
+        rot = rotation(req, start, d_tp)
+        for d in range(d_tp):
+            lo, hi = main_share(start, start + n, d, d_tp, rot)
+            totals[d] += hi - lo
+        start += n
+    assert totals.sum() == sum(sizes)
+    assert totals.max() - totals.min() <= 1
+
+
+def test_split_bounds_vectorised_matches_scalar() -> None:
+    idx = np.arange(7)
+    lo, hi = split_bounds(3, 20, idx, 7)
+    assert list(zip(lo.tolist(), hi.tolist(), strict=True)) == [
+        split_bounds(3, 20, i, 7) for i in range(7)
+    ]

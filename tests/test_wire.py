@@ -1,0 +1,731 @@
+"""Wire codec tests: exact encodings, legacy forms (W4), rejection of malformed input (W5),
+the F3 handshake, and properties that no input makes a decoder raise anything but
+``WireError``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sfa_rd2h.spec.errors import ProtocolError, VersionMismatch, WireError
+from sfa_rd2h.spec.wire import (
+    LAYOUT_VERSION,
+    MAX_BLOCK_ID,
+    MAX_ERROR_LEN,
+    MAX_FRAME_BYTES,
+    MAX_ID_LEN,
+    MAX_LAYER_IDX,
+    MAX_TP_RATIO,
+    MF_META,
+    MF_META_ACK,
+    PROTOCOL_VERSION,
+    RAW_ACK,
+    READ_DONE,
+    READ_FAILED,
+    READ_READY_BATCH,
+    LayerMeta,
+    LayerTable,
+    MfMeta,
+    MfMetaAck,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    ReadReq,
+    check_meta_ack,
+    check_versions,
+    decode,
+    decode_layer_metadata,
+    decode_meta_reply,
+    encode,
+    encode_layer_metadata,
+    encode_meta_reply,
+    external_request_id,
+    layer_of,
+    split_router_frames,
+)
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# A main layer with K, V, indexer and LIC8 scale, and one without indexer.
+META_FULL = LayerMeta(
+    base_addrs=(0x10000, 0x20000, 0x30000, 0x40000),
+    block_len=(4096, 512, 1024, 16),
+    block_size_scale=(1, 1, 2, 2),
+    tensor_group_idx=(0, 0, 1, 1),
+    main_tensor_count=2,
+    has_indexer=True,
+)
+META_MAIN = LayerMeta(
+    base_addrs=(0x50000, 0x60000),
+    block_len=(4096, 512),
+    block_size_scale=(1, 1),
+    tensor_group_idx=(0, 0),
+    main_tensor_count=2,
+    has_indexer=False,
+)
+LAYERS = {"model.layers.1.self_attn": META_FULL, "model.layers.0.self_attn": META_MAIN}
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def meta_map(**override: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "base_addrs": [1, 2],
+        "block_len": [8, 8],
+        "block_size_scale": [1, 1],
+        "tensor_group_idx": [0, 0],
+        "main_tensor_count": 2,
+        "has_indexer": False,
+    }
+    base.update(override)
+    return {k: v for k, v in base.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def ready_fields(**override: Any) -> list[Any]:
+    fields = {
+        "kind": READ_READY_BATCH,
+        "layer_idx": 3,
+        "layer_name": "model.layers.3.self_attn",
+        "read_reqs": [["req-a", [1, 2, 3], [7, 8], 4, 9]],
+        "done_ext_ids": ["req-a"],
+        "group_member_idx": 0,
+        "tp_ratio": 1,
+    }
+    fields.update(override)
+    return list(fields.values())
+
+
+# ------------------------------------------------------------------ exact encodings
+
+
+def test_layer_metadata_blob_is_the_documented_map() -> None:
+    blob = encode_layer_metadata({"l0": META_FULL})
+    assert blob == pack(
+        {
+            "l0": {
+                "base_addrs": [0x10000, 0x20000, 0x30000, 0x40000],
+                "block_len": [4096, 512, 1024, 16],
+                "block_size_scale": [1, 1, 2, 2],
+                "tensor_group_idx": [0, 0, 1, 1],
+                "main_tensor_count": 2,
+                "has_indexer": True,
+            }
+        }
+    )
+
+
+def test_legacy_mf_meta_exact_bytes() -> None:
+    blob = encode_layer_metadata(LAYERS)
+    assert encode(MfMeta("h:1", LAYERS)) == msgpack.packb(
+        (b"mf_meta", "h:1", blob), use_bin_type=True
+    )
+
+
+def test_versioned_mf_meta_appends_versions() -> None:
+    blob = encode_layer_metadata(LAYERS)
+    msg = MfMeta("h:1", LAYERS, PROTOCOL_VERSION, LAYOUT_VERSION)
+    assert encode(msg) == pack([MF_META, "h:1", blob, PROTOCOL_VERSION, LAYOUT_VERSION])
+    assert decode(encode(msg)) == msg
+
+
+def test_ready_and_replies_exact_bytes() -> None:
+    ready = ReadReadyBatch(
+        layer_idx=5,
+        layer_name="model.layers.5.self_attn",
+        read_reqs=(ReadReq("r1", (10, 11), (12,), 3, 4),),
+        done_ext_ids=("r1",),
+        group_member_idx=1,
+        tp_ratio=2,
+    )
+    assert encode(ready) == pack(
+        [b"read_ready_batch", 5, "model.layers.5.self_attn", [["r1", [10, 11], [12], 3, 4]],
+         ["r1"], 1, 2]
+    )  # fmt: skip
+    assert encode(ReadDone(5)) == pack([b"read_done", 5])
+    assert encode(ReadFailed(5, "boom")) == pack([b"read_failed", 5, "boom"])
+    assert encode(MfMetaAck(False, 1, 1, "no")) == pack([b"mf_meta_ack", False, 1, 1, "no"])
+
+
+def test_layer_order_is_preserved() -> None:
+    table = decode_layer_metadata(encode_layer_metadata(LAYERS))
+    assert list(table) == ["model.layers.1.self_attn", "model.layers.0.self_attn"]
+    msg = decode(encode(MfMeta("h:1", LAYERS)))
+    assert isinstance(msg, MfMeta)
+    assert list(msg.layers) == list(LAYERS)
+    assert encode(msg) == encode(MfMeta("h:1", LAYERS))
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        MfMeta("host:5000", LAYERS),
+        MfMeta("host:5000", {}, 1, 1),
+        MfMetaAck(True, 1, 1),
+        MfMetaAck(False, 1, 1, "F3: protocol version 2 from prefill, decode speaks 1"),
+        ReadReadyBatch(0, "l", (), ()),
+        ReadReadyBatch(
+            MAX_LAYER_IDX,
+            "l",
+            (ReadReq("a", (0, MAX_BLOCK_ID), (), 0, MAX_BLOCK_ID), ReadReq("b", (), (5,))),
+            ("a", "b"),
+            MAX_TP_RATIO - 1,
+            MAX_TP_RATIO,
+        ),
+        ReadDone(0),
+        ReadFailed(7, ""),
+        ReadFailed(7, "transfer returned -3 ü"),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_round_trip(msg: Any) -> None:
+    assert decode(encode(msg)) == msg
+    hash(msg)  # frozen values are usable as dict keys / set members
+
+
+def test_layer_meta_properties() -> None:
+    assert META_FULL.ext_block_bytes == (4096, 512, 2048, 32)
+    assert META_FULL.has_scale and META_FULL.indexer_tensor_idx == 2
+    assert META_FULL.scale_tensor_idx == 3 and META_FULL.tensor_count == 4
+    assert not META_MAIN.has_scale and META_MAIN.indexer_tensor_idx is None
+    no_scale = LayerMeta((1, 2, 3), (1, 1, 1), (1, 1, 1), (0, 0, 1), 2, True)
+    assert no_scale.has_indexer and not no_scale.has_scale and no_scale.scale_tensor_idx is None
+
+
+def test_constructors_normalise_lists_and_numpy() -> None:
+    req = ReadReq("r", [1, 2], np.array([3, 4], dtype=np.int32), np.int64(5), 0)
+    assert req.p_main_block_ids == (1, 2) and req.p_indexer_block_ids == (3, 4)
+    assert type(req.main_dest_start) is int and all(type(x) is int for x in req.p_indexer_block_ids)
+    with pytest.raises(WireError, match="expected int, got float"):
+        ReadReq("r", np.array([1.5]), ())
+    meta = LayerMeta([1], [2], [3], [0], 1, False)
+    assert meta.base_addrs == (1,)
+    assert MfMeta("s", {"l": meta}).layers == {"l": meta}
+    assert isinstance(MfMeta("s", {"l": meta}).layers, LayerTable)
+
+
+def test_layer_table_is_immutable_and_hashable() -> None:
+    msg = MfMeta("h:1", LAYERS)
+    assert hash(msg) == hash(MfMeta("h:1", dict(reversed(list(LAYERS.items())))))
+    with pytest.raises(TypeError):
+        msg.layers["x"] = META_MAIN  # type: ignore[index]
+
+
+# ------------------------------------------------------------------ legacy forms (W4)
+
+
+def test_legacy_ready_without_contributor_fields() -> None:
+    msg = decode(pack(ready_fields()[:5]))
+    assert isinstance(msg, ReadReadyBatch)
+    assert (msg.group_member_idx, msg.tp_ratio) == (0, 1)
+    assert msg.read_reqs == (ReadReq("req-a", (1, 2, 3), (7, 8), 4, 9),)
+    assert msg.done_ext_ids == ("req-a",)
+
+
+def test_legacy_two_field_read_req() -> None:
+    msg = decode(pack(ready_fields(read_reqs=[["req-b", [4, 5]]])[:5]))
+    assert isinstance(msg, ReadReadyBatch)
+    assert msg.read_reqs == (ReadReq("req-b", (4, 5), (4, 5), 0, 0),)
+
+
+def test_appended_fields_are_ignored() -> None:
+    fields = ready_fields(read_reqs=[["r", [1], [2], 0, 0, "future", {"x": 1}]])
+    msg = decode(pack([*fields, "future-field", [1, 2]]))
+    assert isinstance(msg, ReadReadyBatch)
+    assert msg.read_reqs == (ReadReq("r", (1,), (2,)),)
+    assert decode(pack([READ_DONE, 2, None])) == ReadDone(2)
+    assert decode(pack([READ_FAILED, 2, "e", 9])) == ReadFailed(2, "e")
+    assert decode(pack([MF_META_ACK, True, 1, 1, "", "x"])) == MfMetaAck(True, 1, 1)
+    blob = encode_layer_metadata(LAYERS)
+    assert decode(pack([MF_META, "h:1", blob, 1, 1, 0, 4])) == MfMeta("h:1", LAYERS, 1, 1)
+
+
+# ------------------------------------------------------------------ ROUTER framing
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[b"id", b"", b"p"], [b"id", b"p"], [b"id", b"", b"", b"p", b""], (b"id", bytearray(b"p"))],
+)
+def test_split_router_frames(frames: Any) -> None:
+    assert split_router_frames(frames) == (b"id", b"p")
+
+
+@pytest.mark.parametrize(
+    ("frames", "text"),
+    [
+        ([b"id"], "expected identity and payload"),
+        ([b"id", b""], "got 0"),
+        ([b"id", b"a", b"b"], "got 2"),
+        ([b"", b"p"], "empty identity"),
+        ([b"id", "p"], "frames[1]: expected bytes"),
+        (b"idp", "expected a sequence of frames"),
+    ],
+)
+def test_split_router_frames_rejects(frames: Any, text: str) -> None:
+    with pytest.raises(WireError, match=re.escape(text)):
+        split_router_frames(frames)
+
+
+# ------------------------------------------------------------------ F3 handshake
+
+
+def test_legacy_meta_is_version_one_and_gets_raw_ack() -> None:
+    legacy = MfMeta("h:1", LAYERS)
+    ack = check_versions(legacy)
+    assert ack == MfMetaAck(True, PROTOCOL_VERSION, LAYOUT_VERSION, "")
+    assert encode_meta_reply(legacy, ack) == RAW_ACK == b"ACK"
+    assert decode_meta_reply(RAW_ACK) == MfMetaAck(True, 1, 1)
+    check_meta_ack(decode_meta_reply(RAW_ACK))
+
+
+def test_versioned_meta_gets_structured_ack() -> None:
+    msg = MfMeta("h:1", LAYERS, PROTOCOL_VERSION, LAYOUT_VERSION)
+    ack = check_versions(msg)
+    frame = encode_meta_reply(msg, ack)
+    assert frame == pack([b"mf_meta_ack", True, 1, 1, ""])
+    assert decode_meta_reply(frame) == ack
+    check_meta_ack(ack)
+
+
+def test_version_mismatch_names_both_versions() -> None:
+    ack = check_versions(MfMeta("h:1", LAYERS, 2, 1))
+    assert not ack.accepted
+    assert ack.error == "F3: protocol version 2 from prefill, decode speaks 1"
+    ack = check_versions(MfMeta("h:1", LAYERS, 1, 7))
+    assert ack.error == "F3: layout version 7 from prefill, decode speaks 1"
+    both = check_versions(MfMeta("h:1", LAYERS, 3, 4))
+    assert "protocol version 3" in both.error and "layout version 4" in both.error
+    with pytest.raises(VersionMismatch, match="decode refused the handshake: F3: protocol"):
+        check_meta_ack(decode_meta_reply(encode_meta_reply(MfMeta("h", {}, 3, 4), both)))
+    with pytest.raises(VersionMismatch, match="decode speaks protocol version 9, prefill speaks 1"):
+        check_meta_ack(MfMetaAck(True, 9, 1))
+
+
+def test_refused_legacy_meta_is_not_a_raw_ack() -> None:
+    legacy = MfMeta("h:1", LAYERS)
+    refusal = MfMetaAck(False, 1, 1, "F3: no")
+    assert encode_meta_reply(legacy, refusal) != RAW_ACK
+
+
+@pytest.mark.parametrize(
+    ("frame", "text"),
+    [(pack([READ_DONE, 1]), "got ReadDone"), (b"ACK!", "not valid msgpack"), (None, "bytes")],
+)
+def test_decode_meta_reply_rejects(frame: Any, text: str) -> None:
+    with pytest.raises(WireError, match=re.escape(text)):
+        decode_meta_reply(frame)
+
+
+def test_mf_meta_versions_both_or_neither() -> None:
+    with pytest.raises(WireError, match="both or neither"):
+        MfMeta("h:1", LAYERS, 1, None)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def test_external_request_id() -> None:
+    assert external_request_id("chatcmpl-abc-0123abcd") == "chatcmpl-abc"
+    assert external_request_id("x" * 10) == "x"
+    for bad in ("123456789", "", None):
+        with pytest.raises(WireError):
+            external_request_id(bad)  # type: ignore[arg-type]
+
+
+def test_layer_of() -> None:
+    assert layer_of(encode(ReadReadyBatch(42, "l", (), ()))) == 42
+    # Field 1 is readable even when the rest of the frame is garbage or cut off.
+    assert layer_of(pack([READ_READY_BATCH, 7, 3]) + b"\xc1\xc1") == 7
+    assert layer_of(pack(ready_fields(layer_idx=11, layer_name=b"bad"))[:25]) == 11
+    assert layer_of(b"\x97" + pack(READ_READY_BATCH) + pack(12)) == 12
+    for bad in (
+        pack([READ_READY_BATCH, True]),
+        pack([READ_READY_BATCH, -1]),
+        pack([READ_READY_BATCH, MAX_LAYER_IDX + 1]),
+        pack([READ_READY_BATCH]),
+        pack([READ_DONE, 3]),
+        pack(["read_ready_batch", 3]),
+        pack({"k": 1}),
+        b"",
+        b"\xc1",
+        "text",
+        None,
+    ):
+        assert layer_of(bad) is None  # type: ignore[arg-type]
+
+
+def test_error_text_is_repaired_not_refused() -> None:
+    assert len(ReadFailed(1, "x" * (MAX_ERROR_LEN + 10)).error) == MAX_ERROR_LEN
+    long_wide = ReadFailed(1, "é" * MAX_ERROR_LEN)
+    assert len(long_wide.error.encode()) <= MAX_ERROR_LEN
+    assert decode(encode(long_wide)) == long_wide
+    surrogate = ReadFailed(1, "bad \udcff path")
+    assert surrogate.error == "bad ? path"
+    assert decode(encode(surrogate)) == surrogate
+    with pytest.raises(WireError, match="not encodable as UTF-8"):
+        ReadReq("\udcff", (), ())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"block_len": (1,)}, "block_len: has 1 entries but base_addrs has 2"),
+        ({"main_tensor_count": 0}, "main_tensor_count: 0 is out of range"),
+        ({"has_indexer": 1}, "has_indexer: expected bool, got int"),
+        ({"block_size_scale": (1, 0)}, "block_size_scale[1]: 0 is out of range"),
+        ({"base_addrs": (-1, 0)}, "base_addrs[0]: -1 is out of range"),
+        ({"base_addrs": (2**64, 0)}, "base_addrs[0]: 18446744073709551616 is out of range"),
+        ({"main_tensor_count": 1}, "base_addrs: 2 tensors do not fit main_tensor_count=1"),
+        ({"tensor_group_idx": (0, True)}, "tensor_group_idx[1]: expected int, got bool"),
+        ({"base_addrs": "12"}, "base_addrs: expected a list of ints, got str"),
+    ],
+)
+def test_layer_meta_rejects(kwargs: dict[str, Any], text: str) -> None:
+    fields: dict[str, Any] = {
+        "base_addrs": (1, 2),
+        "block_len": (8, 8),
+        "block_size_scale": (1, 1),
+        "tensor_group_idx": (0, 0),
+        "main_tensor_count": 2,
+        "has_indexer": False,
+    }
+    fields.update(kwargs)
+    with pytest.raises(WireError, match=re.escape(text)):
+        LayerMeta(**fields)
+
+
+def test_scale_without_indexer_is_rejected() -> None:
+    # Three tensors with main=2 and no indexer would be a LIC8 scale with no indexer.
+    with pytest.raises(WireError, match=re.escape("expected 2")):
+        LayerMeta((1, 2, 3), (1, 1, 1), (1, 1, 1), (0, 0, 0), 2, False)
+
+
+def test_encode_rejects_non_messages() -> None:
+    with pytest.raises(WireError, match="not an RD2H message"):
+        encode((READ_DONE, 1))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ malformed table (W5)
+
+
+def _blob_frame(blob: Any) -> bytes:
+    return pack([MF_META, "h:1", blob])
+
+
+_DUP_FIELD_BLOB = (
+    b"\x81\xa2l0\x87"  # {"l0": map of 7 pairs, the last one repeats has_indexer}
+    + b"".join(pack(k) + pack(v) for k, v in meta_map().items())
+    + pack("has_indexer")
+    + pack(True)
+)
+
+MALFORMED: list[tuple[str, Any, str]] = [
+    ("str-not-bytes", "read_done", "frame: expected bytes, got str"),
+    ("none", None, "frame: expected bytes, got NoneType"),
+    ("empty-bytes", b"", "not valid msgpack"),
+    ("format-byte", b"\xc1", "reserved or invalid format byte"),
+    ("trailing", pack([READ_DONE, 1]) + b"\x00", "trailing bytes"),
+    ("truncated", pack(ready_fields())[:-3], "incomplete input"),
+    ("deep-nesting", b"\x91" * 5000, "nested too deeply"),
+    ("bad-utf8", b"\x92\xc4\x09read_done\xa1\xff", "UnicodeDecodeError"),
+    ("ext-type", pack([READ_DONE, msgpack.ExtType(1, b"x")]), "max_ext_len"),
+    ("oversized", b"\x00" * (MAX_FRAME_BYTES + 1), "exceeds MAX_FRAME_BYTES"),
+    ("top-map", pack({"kind": "read_done"}), "top level must be a msgpack array, got dict"),
+    ("top-int", pack(7), "top level must be a msgpack array, got int"),
+    ("empty-array", pack([]), "empty array"),
+    ("kind-str", pack(["read_done", 1]), "kind must be msgpack bin (bytes), got str"),
+    ("kind-int", pack([1, 1]), "kind must be msgpack bin (bytes), got int"),
+    ("unknown-kind", pack([b"write_done", 1]), "unknown message kind b'write_done'"),
+    ("too-many-fields", pack([READ_DONE, 1, *range(40)]), "fields exceed the limit"),
+    ("done-short", pack([READ_DONE]), "read_done: expected at least 2 fields, got 1"),
+    ("done-bool", pack([READ_DONE, True]), "read_done: layer_idx: expected int, got bool"),
+    ("done-float", pack([READ_DONE, 1.0]), "layer_idx: expected int, got float"),
+    ("done-negative", pack([READ_DONE, -1]), "layer_idx: -1 is out of range"),
+    ("done-huge", pack([READ_DONE, 2**64 - 1]), "layer_idx: 18446744073709551615 is out of"),
+    ("failed-short", pack([READ_FAILED, 1]), "read_failed: expected at least 3 fields"),
+    ("failed-error-bin", pack([READ_FAILED, 1, b"x"]), "error: expected str, got bytes"),
+    ("ready-4", pack(ready_fields()[:4]), "expected 5 (legacy) or at least 7 fields, got 4"),
+    ("ready-6", pack(ready_fields()[:6]), "expected 5 (legacy) or at least 7 fields, got 6"),
+    ("ready-name-bin", pack(ready_fields(layer_name=b"l")), "layer_name: expected str, got bytes"),
+    ("ready-name-empty", pack(ready_fields(layer_name="")), "layer_name: must not be empty"),
+    ("ready-layer-big", pack(ready_fields(layer_idx=MAX_LAYER_IDX + 1)), "layer_idx: 65536 is"),
+    ("ready-reqs-map", pack(ready_fields(read_reqs={"a": 1})), "read_reqs: expected an array"),
+    ("ready-req-str", pack(ready_fields(read_reqs=["r"])), "read_reqs[0]: expected an array"),
+    (
+        "ready-req-3",
+        pack(ready_fields(read_reqs=[["r", [1], [1]]])),
+        "read_reqs[0]: read_req: expected 2 (legacy) or at least 5 fields, got 3",
+    ),
+    (
+        "ready-block-neg",
+        pack(ready_fields(read_reqs=[["r", [1, -1], [], 0, 0]])),
+        "read_reqs[0]: p_main_block_ids[1]: -1 is out of range",
+    ),
+    (
+        "ready-block-big",
+        pack(ready_fields(read_reqs=[["r", [MAX_BLOCK_ID + 1], [], 0, 0]])),
+        "p_main_block_ids[0]: 2147483648 is out of range",
+    ),
+    (
+        "ready-block-bool",
+        pack(ready_fields(read_reqs=[["r", [], [0, True], 0, 0]])),
+        "p_indexer_block_ids[1]: expected int, got bool",
+    ),
+    (
+        "ready-block-str",
+        pack(ready_fields(read_reqs=[["r", ["1"], [], 0, 0]])),
+        "p_main_block_ids[0]: expected int, got str",
+    ),
+    (
+        "ready-blocks-not-list",
+        pack(ready_fields(read_reqs=[["r", 5, [], 0, 0]])),
+        "p_main_block_ids: expected a list of ints, got int",
+    ),
+    (
+        "ready-dest-neg",
+        pack(ready_fields(read_reqs=[["r", [], [], -1, 0]])),
+        "main_dest_start: -1 is out of range",
+    ),
+    (
+        "ready-id-empty",
+        pack(ready_fields(read_reqs=[["", [], [], 0, 0]])),
+        "ext_req_id: must not be empty",
+    ),
+    (
+        "ready-id-long",
+        pack(ready_fields(read_reqs=[["x" * (MAX_ID_LEN + 1), [], [], 0, 0]])),
+        "ext_req_id: 1025 characters exceed the limit of 1024",
+    ),
+    ("ready-done-int", pack(ready_fields(done_ext_ids=[1])), "done_ext_ids[0]: expected str"),
+    ("ready-done-str", pack(ready_fields(done_ext_ids="r")), "done_ext_ids: expected an array"),
+    (
+        "ready-member-ge-ratio",
+        pack(ready_fields(group_member_idx=2, tp_ratio=2)),
+        "group_member_idx: 2 must be below tp_ratio=2",
+    ),
+    ("ready-ratio-0", pack(ready_fields(tp_ratio=0)), "tp_ratio: 0 is out of range"),
+    ("ready-ratio-big", pack(ready_fields(tp_ratio=MAX_TP_RATIO + 1)), "tp_ratio: 1025 is out"),
+    ("ready-ratio-bool", pack(ready_fields(tp_ratio=True)), "tp_ratio: expected int, got bool"),
+    ("meta-4", pack([MF_META, "h", pack({}), 1]), "mf_meta: expected 3 (legacy) or at least 5"),
+    ("meta-session-bin", pack([MF_META, b"h", pack({})]), "p_session: expected str, got bytes"),
+    ("meta-blob-str", _blob_frame("{}"), "layer metadata: expected msgpack bytes, got str"),
+    ("meta-blob-garbage", _blob_frame(b"\xc1"), "layer metadata: not valid msgpack"),
+    ("meta-blob-list", _blob_frame(pack([1])), "expected a map of layer name -> layout"),
+    ("meta-blob-int-key", _blob_frame(pack({1: {}})), "int is not allowed for map key"),
+    ("meta-layer-bin-name", _blob_frame(pack({b"l0": meta_map()})), "layer name: expected str"),
+    ("meta-layer-not-map", _blob_frame(pack({"l0": [1]})), "expected a map of layout fields"),
+    ("meta-unknown-key", _blob_frame(pack({"l0": meta_map(x=1)})), "unknown field str 'x'"),
+    (
+        "meta-missing-key",
+        _blob_frame(pack({"l0": meta_map(has_indexer=_DROP)})),
+        "layer metadata['l0']: missing field(s) has_indexer",
+    ),
+    ("meta-dup-key", _blob_frame(_DUP_FIELD_BLOB), "duplicate field 'has_indexer'"),
+    (
+        "meta-lengths",
+        _blob_frame(pack({"l0": meta_map(block_len=[8])})),
+        "block_len: has 1 entries but base_addrs has 2",
+    ),
+    (
+        "meta-has-indexer-int",
+        _blob_frame(pack({"l0": meta_map(has_indexer=1)})),
+        "has_indexer: expected bool, got int",
+    ),
+    ("meta-addr-neg", _blob_frame(pack({"l0": meta_map(base_addrs=[-1, 2])})), "base_addrs[0]"),
+    (
+        "meta-version-bool",
+        pack([MF_META, "h", pack({}), True, 1]),
+        "protocol_version: expected int, got bool",
+    ),
+    ("ack-short", pack([MF_META_ACK, True, 1, 1]), "mf_meta_ack: expected at least 5 fields"),
+    ("ack-accepted-int", pack([MF_META_ACK, 1, 1, 1, ""]), "accepted: expected bool, got int"),
+    ("ack-version-neg", pack([MF_META_ACK, True, -1, 1, ""]), "protocol_version: -1 is out"),
+]
+
+
+@pytest.mark.parametrize(
+    ("payload", "text"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED]
+)
+def test_malformed_input_raises_wire_error(payload: Any, text: str) -> None:
+    with pytest.raises(WireError, match=re.escape(text)) as info:
+        decode(payload)
+    assert "internal decoder error" not in str(info.value)
+
+
+def test_decode_layer_metadata_rejects_directly() -> None:
+    with pytest.raises(WireError, match=re.escape("layer metadata['l0']: block_len")):
+        decode_layer_metadata(pack({"l0": meta_map(block_len=[0, 8])}))
+    with pytest.raises(WireError, match="expected msgpack bytes"):
+        decode_layer_metadata(None)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ properties
+
+_ids = st.text(min_size=1, max_size=12)
+_block_ids = st.lists(st.integers(0, MAX_BLOCK_ID), max_size=24)
+
+
+@st.composite
+def layer_metas(draw: st.DrawFn) -> LayerMeta:
+    main = draw(st.integers(1, 3))
+    has_indexer = draw(st.booleans())
+    n = main + (1 + int(draw(st.booleans())) if has_indexer else 0)
+    return LayerMeta(
+        base_addrs=tuple(draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n))),
+        block_len=tuple(draw(st.lists(st.integers(1, 2**20), min_size=n, max_size=n))),
+        block_size_scale=tuple(draw(st.lists(st.integers(1, 64), min_size=n, max_size=n))),
+        tensor_group_idx=tuple(draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))),
+        main_tensor_count=main,
+        has_indexer=has_indexer,
+    )
+
+
+_versions = st.one_of(st.just((None, None)), st.tuples(st.integers(0, 9), st.integers(0, 9)))
+
+messages = st.one_of(
+    st.builds(
+        lambda s, layers, v: MfMeta(s, layers, *v),
+        _ids,
+        st.dictionaries(_ids, layer_metas(), max_size=3),
+        _versions,
+    ),
+    st.builds(MfMetaAck, st.booleans(), st.integers(0, 9), st.integers(0, 9), st.text()),
+    st.builds(
+        lambda idx, name, reqs, done, ratio, member: ReadReadyBatch(
+            idx, name, tuple(reqs), tuple(done), member % ratio, ratio
+        ),
+        st.integers(0, MAX_LAYER_IDX),
+        _ids,
+        st.lists(
+            st.builds(
+                ReadReq,
+                _ids,
+                _block_ids,
+                _block_ids,
+                st.integers(0, MAX_BLOCK_ID),
+                st.integers(0, MAX_BLOCK_ID),
+            ),
+            max_size=4,
+        ),
+        st.lists(_ids, max_size=4),
+        st.integers(1, MAX_TP_RATIO),
+        st.integers(0, MAX_TP_RATIO),
+    ),
+    st.builds(ReadDone, st.integers(0, MAX_LAYER_IDX)),
+    st.builds(ReadFailed, st.integers(0, MAX_LAYER_IDX), st.text()),
+)
+
+_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+    | st.sampled_from([READ_READY_BATCH, READ_DONE, READ_FAILED, MF_META, MF_META_ACK])
+)
+values = st.recursive(
+    _leaves,
+    lambda children: st.lists(children, max_size=5)
+    | st.dictionaries(st.text(max_size=4) | st.binary(max_size=4) | st.integers(-9, 9), children,
+                      max_size=3),
+    max_leaves=20,
+)  # fmt: skip
+
+
+def _decode_or_wire_error(payload: Any) -> None:
+    try:
+        msg = decode(payload)
+    except WireError as exc:
+        assert "internal decoder error" not in str(exc), str(exc)
+        return
+    # Anything accepted must be canonical enough to survive its own round trip.
+    assert decode(encode(msg)) == msg
+
+
+@FAST
+@given(messages)
+def test_property_round_trip(msg: Any) -> None:
+    assert decode(encode(msg)) == msg
+    if isinstance(msg, ReadReadyBatch):
+        assert layer_of(encode(msg)) == msg.layer_idx
+
+
+@FAST
+@given(st.binary(max_size=64))
+def test_property_arbitrary_bytes(data: bytes) -> None:
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+    assert layer_of(data) is None or isinstance(layer_of(data), int)
+
+
+@FAST
+@given(messages, st.data())
+def test_property_corrupted_valid_frames(msg: Any, data: st.DataObject) -> None:
+    frame = bytearray(encode(msg))
+    if data.draw(st.booleans()):
+        frame = frame[: data.draw(st.integers(0, len(frame)))]
+    else:
+        i = data.draw(st.integers(0, len(frame) - 1))
+        frame[i] = data.draw(st.integers(0, 255))
+    _decode_or_wire_error(bytes(frame))
+    layer_of(bytes(frame))
+
+
+@FAST
+@given(
+    st.one_of(
+        values,
+        st.builds(
+            lambda kind, rest: [kind, *rest],
+            st.sampled_from([READ_READY_BATCH, READ_DONE, READ_FAILED, MF_META, MF_META_ACK]),
+            st.lists(values, max_size=8),
+        ),
+    )
+)
+def test_property_arbitrary_structures(obj: Any) -> None:
+    _decode_or_wire_error(pack(obj))
+
+
+@FAST
+@given(st.data())
+def test_property_mutated_ready(data: st.DataObject) -> None:
+    fields = ready_fields(
+        read_reqs=[["a", [1, 2], [3], 0, 0], ["b", [4]]], group_member_idx=1, tp_ratio=2
+    )
+    target = data.draw(st.sampled_from(["top", "entry", "legacy-entry", "block"]))
+    new = data.draw(values)
+    if target == "top":
+        fields[data.draw(st.integers(0, len(fields) - 1))] = new
+    elif target == "entry":
+        fields[3][0][data.draw(st.integers(0, 4))] = new
+    elif target == "legacy-entry":
+        fields[3][1][data.draw(st.integers(0, 1))] = new
+    else:
+        fields[3][0][1][data.draw(st.integers(0, 1))] = new
+    _decode_or_wire_error(pack(fields))
+    assert layer_of(pack(fields)) in (None, fields[1])
+
+
+@FAST
+@given(st.data())
+def test_property_mutated_layer_metadata(data: st.DataObject) -> None:
+    layer = meta_map()
+    key = data.draw(st.sampled_from(sorted(layer)))
+    layer[key] = data.draw(values)
+    _decode_or_wire_error(_blob_frame(pack({"l0": layer})))
