@@ -42,7 +42,7 @@ class _Ready:
     """One READY being served, with what the core decided for it."""
 
     peer: str
-    msg: wire.ReadReadyBatch
+    msg: wire.ReadReadyBatch | None  # None: a malformed frame whose layer was identifiable
     read: LayerRead
     deadline: float = 0.0
     live: tuple[str, ...] = ()
@@ -126,7 +126,7 @@ class DecodeCore:
         if req is None or self.local_outcome(ext_req_id) is None:
             raise ProtocolError(f"R1: request {ext_req_id!r} is not ready for TP agreement")
         self._requests.fire(req.status, "tp_agreed", all_ok)
-        del self.requests[ext_req_id]
+        self._forget(ext_req_id)
         ok = req.status.state == "succeeded"
         self.terminal[ext_req_id] = ok
         error = req.status.error or (None if ok else "R1: another Decode TP rank failed")
@@ -150,18 +150,21 @@ class DecodeCore:
             msg = wire.decode(payload)
         except ProtocolError as exc:
             self.stats.rejected_frames += 1
-            layer = wire.layer_of(payload)
-            if layer is None:
-                return []
-            # W5: answer what can be answered, so the sender's gate does not hang.
-            read = self._reads.start(LayerRead(self._read_key(peer, layer), layer))
-            return self._reject(_Ready(peer, None, read), f"W5: {exc}")  # type: ignore[arg-type]
+            return self._answer_malformed(peer, payload, exc)
         if isinstance(msg, wire.MfMeta):
             return self._on_meta(peer, msg)
         if isinstance(msg, wire.ReadReadyBatch):
             return self._on_ready(peer, msg, now)
         self.stats.rejected_frames += 1
         return []
+
+    def _answer_malformed(self, peer: str, payload: bytes, exc: ProtocolError) -> list[Action]:
+        """W5: answer what can be answered, so the sender's gate does not hang."""
+        layer = wire.layer_of(payload)
+        if layer is None:
+            return []
+        read = self._reads.start(LayerRead(self._read_key(peer, layer), layer))
+        return self._reject(_Ready(peer, None, read), f"W5: {exc}")
 
     def _on_meta(self, peer: str, msg: wire.MfMeta) -> list[Action]:
         ack = wire.check_versions(msg)
@@ -187,7 +190,7 @@ class DecodeCore:
             side = "prefill MF_META" if src is None else "decode registration"
             return self._reject(ready, f"L1: layer {msg.layer_name!r} is missing from {side}")
         try:
-            validate_layer(src, dst)
+            self._validate_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
         actions: list[Action] = []
@@ -201,23 +204,63 @@ class DecodeCore:
                 continue
             if req.ratio is None:
                 req.ratio = msg.tp_ratio
-            elif req.ratio != msg.tp_ratio:  # known failure 3: never trust the first ratio
+            elif self._ratio_conflict(req, msg):
                 actions += self._fail_request(
                     ext, f"T1: contributor {msg.group_member_idx} reports tp_ratio="
                          f"{msg.tp_ratio}, request already has tp_ratio={req.ratio}")
         if missing:
-            read.missing = frozenset(missing)
-            self._reads.fire(read, "accept")
-            ready.deadline = now + self.destination_wait
-            self._waiting.append(ready)
-            return actions
+            return actions + self._await_destinations(ready, frozenset(missing), now)
         return actions + self._plan(ready, now)
+
+    # Hooks: the model checker's seeded bugs override these, nothing else does.
+    def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
+        validate_layer(src, dst)  # L1, before anything is planned
+
+    def _ratio_conflict(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> bool:
+        # known failure 3: never trust the first ratio seen for a request
+        return req.ratio != msg.tp_ratio
+
+    def _final_signal(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> tuple[int, int]:
+        return msg.group_member_idx, msg.tp_ratio
+
+    def _await_destinations(self, ready: _Ready, missing: frozenset[str],
+                            now: float) -> list[Action]:
+        """C1 (known failure 5): wait a bounded time for vLLM to register destinations."""
+        ready.read.missing = missing
+        self._reads.fire(ready.read, "accept")
+        ready.deadline = now + self.destination_wait
+        self._waiting.append(ready)
+        return []
+
+    def _is_live(self, req: DecodeRequest) -> bool:
+        return req.status.state == "registered"
+
+    def _forget(self, ext_req_id: str) -> None:
+        del self.requests[ext_req_id]
+
+    def _plan_entry(self, src: wire.LayerMeta, dst: DestLayout, req: DecodeRequest,
+                    entry: wire.ReadReq) -> ReadPlan:
+        return plan_layer_reads(
+            src, dst,
+            entry.p_main_block_ids,
+            _dest_slice(req.main_dest, entry.main_dest_start,
+                        len(entry.p_main_block_ids), "main"),
+            entry.p_indexer_block_ids,
+            _dest_slice(req.indexer_dest, entry.indexer_dest_start,
+                        len(entry.p_indexer_block_ids) if dst.has_indexer else 0, "indexer"),
+        )
+
+    def _transfer_result(self, result: int) -> int:
+        return result
+
+    def _must_reply(self, ready: _Ready) -> bool:
+        return True
 
     def _live_entries(self, msg: wire.ReadReadyBatch) -> list[wire.ReadReq]:
         live = []
         for entry in msg.read_reqs:
             req = self.requests.get(entry.ext_req_id)
-            if req is not None and req.status.state == "registered":
+            if req is not None and self._is_live(req):
                 live.append(entry)
             else:
                 self.stats.skipped_entries += 1
@@ -235,17 +278,7 @@ class DecodeCore:
         plans: list[ReadPlan] = []
         try:
             for entry in live:
-                req = self.requests[entry.ext_req_id]
-                plans.append(plan_layer_reads(
-                    src, dst,
-                    entry.p_main_block_ids,
-                    _dest_slice(req.main_dest, entry.main_dest_start,
-                                len(entry.p_main_block_ids), "main"),
-                    entry.p_indexer_block_ids,
-                    _dest_slice(req.indexer_dest, entry.indexer_dest_start,
-                                len(entry.p_indexer_block_ids) if dst.has_indexer else 0,
-                                "indexer"),
-                ))
+                plans.append(self._plan_entry(src, dst, self.requests[entry.ext_req_id], entry))
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
         plan = concat(plans) if plans else ReadPlan.empty()
@@ -269,7 +302,7 @@ class DecodeCore:
             req = self.requests.get(ext)
             if req is not None:
                 req.inflight -= 1
-        self._reads.fire(ready.read, "read_completed", result)
+        self._reads.fire(ready.read, "read_completed", self._transfer_result(result))
         return self._finish(ready)
 
     def _reject(self, ready: _Ready, error: str) -> list[Action]:
@@ -282,18 +315,20 @@ class DecodeCore:
         actions: list[Action] = []
         if read.state == "done":
             self.stats.replies["done"] += 1
-            actions.append(Send(ready.peer, wire.encode(wire.ReadDone(read.layer_idx))))
+            if self._must_reply(ready):
+                actions.append(Send(ready.peer, wire.encode(wire.ReadDone(read.layer_idx))))
             for ext in msg.done_ext_ids:
                 req = self.requests.get(ext)
                 if req is None or req.status.state not in ("registered", "local_ok"):
                     continue
                 self._requests.fire(req.status, "contributor_final",
-                                    msg.group_member_idx, msg.tp_ratio)
+                                    *self._final_signal(req, msg))
                 actions += self._maybe_ready(req)
             # a request whose last read just landed may now be ready for agreement
             for ext in ready.live:
                 req = self.requests.get(ext)
-                if req is not None and req.status.state != "registered" and ext not in msg.done_ext_ids:
+                if (req is not None and req.status.state != "registered"
+                        and ext not in msg.done_ext_ids):
                     actions += self._maybe_ready(req)
         else:
             self.stats.replies["failed"] += 1
@@ -324,7 +359,7 @@ class DecodeCore:
                              f"C1: destinations of {missing} not registered within "
                              f"{self.destination_wait}s")
             actions += self._finish(ready)
-        for ext, req in list(self.requests.items()):
+        for req in list(self.requests.values()):
             if req.status.state == "registered" and now >= req.deadline:
                 self._requests.fire(req.status, "deadline_expired",
                                     f"R1: contributors incomplete after {self.request_deadline}s")

@@ -19,7 +19,8 @@ import numpy as np
 from sfa_rd2h.runtime.actions import Action, Send
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
-from sfa_rd2h.spec.topology import TpMapping, prefill_share, rotation
+from sfa_rd2h.spec.params import RemoteDecode, parse_remote_decode
+from sfa_rd2h.spec.topology import Share, TpMapping, prefill_share, rotation
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import PeerSession, SlotGate
 
@@ -72,6 +73,7 @@ class PrefillCore:
         session: str,
         layers: Mapping[str, wire.LayerMeta],
         *,
+        block_size: int = 128,
         reply_timeout: float = 60.0,
         observer: Observer | None = None,
     ) -> None:
@@ -80,6 +82,7 @@ class PrefillCore:
         self.member = mapping.group_member_idx(p_rank)
         self.session = session
         self.layer_names: tuple[str, ...] = tuple(layers)
+        self.block_size = block_size
         self.reply_timeout = reply_timeout
         self._meta = wire.MfMeta(session, dict(layers), wire.PROTOCOL_VERSION,
                                  wire.LAYOUT_VERSION)
@@ -89,7 +92,7 @@ class PrefillCore:
         self.gates: dict[str, SlotGate] = {}
         self._layer_gates: list[tuple[SlotGate, ...]] = []
         for name in self.layer_names:
-            keys = [k for k in slot_keys(layers[name]) if k is not None]
+            keys = [k for k in self._gate_keys(name, layers[name]) if k is not None]
             for k in keys:
                 if k not in self.gates:
                     self.gates[k] = self._slots.start(SlotGate(k))
@@ -100,24 +103,50 @@ class PrefillCore:
         self.stale_replies = 0  # S5: duplicates and replies to an earlier publication
 
     # ----------------------------------------------------------------- requests (C2)
-    def add_request(self, ext_req_id: str, endpoint: str, main_block_ids: Sequence[int],
-                    indexer_block_ids: Sequence[int]) -> None:
+    def add_request(self, ext_req_id: str, kv_transfer_params: Mapping,
+                    main_block_ids: Sequence[int], indexer_block_ids: Sequence[int]) -> str:
+        """Track a request dispatched with ``do_remote_decode``; return its endpoint (P2).
+
+        Blocks Decode already holds (``remote_cached_tokens``) are never sent.
+        """
         if ext_req_id in self.requests:
             raise ProtocolError(f"C2: request {ext_req_id!r} is already tracked")
-        self.requests[ext_req_id] = PrefillRequest(
+        remote = self._parse_params(kv_transfer_params)
+        endpoint = remote.endpoint(self.p_rank, self.mapping)
+        req = PrefillRequest(
             ext_req_id, endpoint,
             np.asarray(main_block_ids, dtype=np.int64),
             np.asarray(indexer_block_ids, dtype=np.int64))
+        req.sent_blocks = min(remote.remote_cached_tokens // self.block_size, len(req.main_ids))
+        self.requests[ext_req_id] = req
+        return endpoint
 
-    def schedule_chunk(self, ext_req_id: str, stop: int, final: bool) -> None:
-        """This step computes the request's blocks up to position ``stop`` (C2)."""
+    def schedule_chunk(self, ext_req_id: str, computed_tokens: int, final: bool) -> None:
+        """This step computes the request's prompt up to ``computed_tokens`` (C2): the READYs
+        cover the blocks completed since the last chunk, the final chunk its partial block."""
         req = self.requests[ext_req_id]
+        stop = self._chunk_stop(computed_tokens, final)
         if not req.sent_blocks <= stop <= len(req.main_ids):
             raise ProtocolError(
                 f"C2: chunk of {ext_req_id!r} ends at block {stop}, outside "
                 f"[{req.sent_blocks}, {len(req.main_ids)}]")
         req.chunk = (req.sent_blocks, stop)
         req.final = final
+
+    # Hooks: the model checker's seeded bugs override these, nothing else does.
+    def _parse_params(self, params: Mapping) -> RemoteDecode:
+        return parse_remote_decode(params)
+
+    def _chunk_stop(self, computed_tokens: int, final: bool) -> int:
+        full, partial = divmod(computed_tokens, self.block_size)
+        return full + (1 if final and partial else 0)
+
+    def _gate_keys(self, layer_name: str, meta: wire.LayerMeta) -> tuple[str, str | None]:
+        return slot_keys(meta)
+
+    def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
+        return prefill_share(start, stop, self.p_rank, self.mapping,
+                             rotation(req.ext_req_id, start, self.mapping.d_tp))
 
     # ----------------------------------------------------------------- compute path
     def gates_of(self, layer_idx: int) -> tuple[SlotGate, ...]:
@@ -134,10 +163,11 @@ class PrefillCore:
             raise LayerSendError(f"S4: layer {layer_idx} cannot be written: {errors}")
         return all(g.state == "free" for g in gates)
 
-    def begin_layer(self, layer_idx: int, now: float) -> None:
+    def begin_layer(self, layer_idx: int, now: float) -> list[Action]:
         """The compute path is about to scatter this layer's KV into its slots (S1)."""
         for g in self._layer_gates[layer_idx]:
             self._slots.fire(g, "begin_write", layer_idx)
+        return []
 
     def layer_landed(self, layer_idx: int, now: float) -> list[Action]:
         """The layer's device event signalled (C4): publish READY to every endpoint."""
@@ -163,9 +193,7 @@ class PrefillCore:
         for req in self.requests.values():
             if req.chunk is None:
                 continue
-            start, stop = req.chunk
-            share = prefill_share(start, stop, self.p_rank, self.mapping,
-                                  rotation(req.ext_req_id, start, self.mapping.d_tp))
+            share = self._share(req, *req.chunk)
             entries.setdefault(req.endpoint, []).append(wire.ReadReq(
                 req.ext_req_id,
                 tuple(req.main_ids[share.main_slice].tolist()),
@@ -246,29 +274,29 @@ class PrefillCore:
             self._fail_reader(endpoint, pub.layer_idx, ack.error)
         return []
 
-    def _reply_gates(self, endpoint: str, layer_idx: int) -> list[SlotGate]:
-        """S5: the gates this reply may count for - the layer's own slots, currently owned by
-        that layer and still waiting for exactly this endpoint."""
+    def _match_reply(self, endpoint: str, layer_idx: int) -> list[tuple[SlotGate, str]]:
+        """S5: the gates a reply counts for - the layer's own slots, still owned by that
+        layer and waiting for exactly this endpoint - with the reader it accounts for."""
         if not 0 <= layer_idx < len(self._layer_gates):
             return []
-        return [g for g in self._layer_gates[layer_idx]
+        return [(g, endpoint) for g in self._layer_gates[layer_idx]
                 if g.state == "awaiting_replies" and g.owner == layer_idx
                 and g.is_pending(endpoint)]
 
     def _on_reply(self, endpoint: str, layer_idx: int, error: str | None) -> None:
-        gates = self._reply_gates(endpoint, layer_idx)
-        if not gates:
+        matches = self._match_reply(endpoint, layer_idx)
+        if not matches:
             self.stale_replies += 1
             return
-        for g in gates:
+        for g, reader in matches:
             if error is None:
-                self._slots.fire(g, "reply_done", endpoint)
+                self._slots.fire(g, "reply_done", reader)
             else:
-                self._slots.fire(g, "reply_failed", endpoint, error)
+                self._slots.fire(g, "reply_failed", reader, error)
 
     def _fail_reader(self, endpoint: str, layer_idx: int, error: str) -> None:
-        for g in self._reply_gates(endpoint, layer_idx):
-            self._slots.fire(g, "reply_failed", endpoint, error)
+        for g, reader in self._match_reply(endpoint, layer_idx):
+            self._slots.fire(g, "reply_failed", reader, error)
 
     # ----------------------------------------------------------------- faults (S5)
     def peer_gone(self, endpoint: str, now: float, reason: str = "peer lost") -> None:
@@ -278,18 +306,22 @@ class PrefillCore:
         if ep is None:
             return
         ep.held.clear()
-        if ep.session.state != "disconnected":
-            self._sessions.fire(ep.session, "peer_lost")
+        self._reset_session(ep)
         for g in self.gates.values():
             if g.state == "awaiting_replies" and g.is_pending(endpoint):
                 self._slots.fire(g, "reader_lost", endpoint, f"S5: {reason}")
+
+    def _reset_session(self, ep: _Endpoint) -> None:
+        if ep.session.state != "disconnected":
+            self._sessions.fire(ep.session, "peer_lost")
 
     def tick(self, now: float) -> None:
         """Declare lost every endpoint that left a READY unanswered for ``reply_timeout``."""
         late = {
             ep
             for g in self.gates.values()
-            if g.state == "awaiting_replies" and now - self._published_at[g.key] >= self.reply_timeout
+            if g.state == "awaiting_replies"
+            and now - self._published_at[g.key] >= self.reply_timeout
             for ep in g.pending
         }
         for endpoint in sorted(late):

@@ -24,7 +24,9 @@ from sfa_rd2h.statemachines.tables import BY_NAME, MachineSpec
 Observer = Callable[[str, str, str, str, str, tuple], None]
 
 
-def build_machine(spec: MachineSpec, machine_cls: type[Machine] = Machine, **kwargs: Any) -> Machine:
+def build_machine(
+    spec: MachineSpec, machine_cls: type[Machine] = Machine, **kwargs: Any
+) -> Machine:
     """A ``transitions`` machine for ``spec`` with no models attached."""
     states = [State(s.name, final=s.final) for s in spec.states]
     table = [
@@ -64,6 +66,11 @@ class Driver:
             for state in self.spec.state_names
         }
         self.observer = observer
+
+    def __deepcopy__(self, memo: dict) -> Driver:
+        # A driver holds no per-model state: copies of a core (the explorer clones whole
+        # clusters) share it instead of rebuilding a transitions.Machine each time.
+        return self
 
     def start(self, model: Any) -> Any:
         """Put a fresh model in the initial state and return it."""

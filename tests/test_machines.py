@@ -15,7 +15,7 @@ from sfa_rd2h.statemachines.models import (
     RequestStatus,
     SlotGate,
 )
-from sfa_rd2h.statemachines.tables import MACHINES, BY_NAME
+from sfa_rd2h.statemachines.tables import BY_NAME, MACHINES
 
 ENDPOINTS = ("d0", "d1", "d2")
 

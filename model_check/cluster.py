@@ -1,0 +1,688 @@
+"""A whole Prefill/Decode deployment built from the production cores, for model checking.
+
+The cores are the real ``PrefillCore`` / ``DecodeCore``. Around them this module simulates
+only what is outside the protocol: a network that is FIFO per (Prefill rank, Decode rank)
+connection in each direction and interleaves arbitrarily across connections (ZMQ over TCP
+keeps order per DEALER-ROUTER pair), a transfer engine that copies real bytes between
+simulated Prefill and Decode memories all-or-nothing, the Decode scheduler (rendezvous and
+late registration), the TP agreement, timers, and faults.
+
+Every state change is an *operation* (a small tuple) from ``enabled()``; ``apply(op)``
+performs it and evaluates the invariants of ``model_check.invariants`` at the moment the
+relevant observation is made. The hypothesis checker and the exhaustive explorer both
+drive this one class.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from sfa_rd2h.model_check import invariants as inv
+from sfa_rd2h.runtime.actions import IssueRead, Send
+from sfa_rd2h.runtime.decode_core import DecodeCore
+from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.layout import DestLayout
+from sfa_rd2h.spec.topology import tp_mapping
+
+BLOCK_TOKENS = 4  # tokens per KV block in the model
+MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tensor kind
+P_BASE, D_BASE = 0x1000, 0x100000
+D_PORT = 7000
+FOREVER = 1e9
+
+Op = tuple
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    tokens: int  # prompt length; the last block may be partial
+    chunks: tuple[int, ...]  # computed tokens after each chunk; the last equals ``tokens``
+    cached_tokens: int | None = 0  # None: the parameter is missing (known failure 7)
+    group: int = -1  # requests of one prompt list share a group (C3); -1 = alone
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // BLOCK_TOKENS)
+
+
+@dataclass(frozen=True)
+class Scope:
+    p_tp: int = 2
+    d_tp: int = 1
+    n_layers: int = 2
+    n_slots: int = 1
+    indexer: bool = True
+    scale: bool = False
+    requests: tuple[RequestSpec, ...] = (RequestSpec(6, (6,)), RequestSpec(4, (4,)))
+    layout_mismatch_layer: int | None = None  # Decode registered another block size (L1)
+    legacy_rank: int | None = None  # a Prefill rank running a pre-unequal-TP build (W4, T1)
+    max_faults: int = 3  # fault operations allowed in one run; 0 = lossless and on time
+
+    def tensor_bytes(self) -> tuple[int, ...]:
+        sizes = [MAIN_BYTES, MAIN_BYTES]
+        if self.indexer:
+            sizes.append(INDEXER_BYTES)
+            if self.scale:
+                sizes.append(SCALE_BYTES)
+        return tuple(sizes)
+
+
+def pattern(req: int, layer: int, pos: int, tensor: int, nbytes: int) -> np.ndarray:
+    """The bytes Prefill computes for one block: distinct per request, layer and position."""
+    seed = (req * 61 + layer * 17 + pos * 7 + tensor * 3 + 1) % 251
+    return ((np.arange(nbytes, dtype=np.int64) * 13 + seed) % 255 + 1).astype(np.uint8)
+
+
+class LegacyPrefillCore(PrefillCore):
+    """A Prefill rank built before unequal TP: 5-field READY (W4) and the whole group's
+    share as if it were the only member (the mixed-build hazard of T1)."""
+
+    def _share(self, req, start, stop):  # type: ignore[no-untyped-def]
+        from sfa_rd2h.spec.topology import Share, main_share, rotation
+
+        d_rank = self.mapping.d_rank(self.p_rank)
+        main = main_share(start, stop, d_rank, self.mapping.d_tp,
+                          rotation(req.ext_req_id, start, self.mapping.d_tp))
+        return Share(main=main, indexer=(start, stop))
+
+    def _ready_payloads(self, layer_idx):  # type: ignore[no-untyped-def]
+        out = {}
+        for ep, payload in super()._ready_payloads(layer_idx).items():
+            fields = msgpack.unpackb(payload, raw=False)
+            out[ep] = msgpack.packb(fields[:5], use_bin_type=True)
+        return out
+
+
+@dataclass
+class _Ghost:
+    """What the checker knows that no core does: who may still read which slot, which
+    requests each rank heard from, who owns each destination block."""
+
+    readers: dict[tuple[int, int], Counter] = field(default_factory=dict)  # (p, slot)
+    readys: Counter = field(default_factory=Counter)  # (p, d) -> READYs delivered
+    replies: Counter = field(default_factory=Counter)  # (p, d) -> replies sent
+    meta_seen: set[tuple[int, int]] = field(default_factory=set)
+    ratios: dict[tuple[int, str], set[int]] = field(default_factory=dict)  # (d, ext)
+    finals: dict[tuple[int, str], set[int]] = field(default_factory=dict)
+    read_origin: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    last_final: dict[tuple[int, int], bytes] = field(default_factory=dict)
+
+
+class Cluster:
+    """One deployment: ``p_tp`` Prefill cores, ``d_tp`` Decode cores, network, memory."""
+
+    def __init__(self, scope: Scope, prefill_cls: type[PrefillCore] = PrefillCore,
+                 decode_cls: type[DecodeCore] = DecodeCore) -> None:
+        self.scope = scope
+        self.prefill_cls = prefill_cls
+        self.decode_cls = decode_cls
+        self.mapping = tp_mapping(scope.p_tp, scope.d_tp)
+        self.tbytes = scope.tensor_bytes()
+        self.n_req = len(scope.requests)
+        self.ext = [f"req-{i}" for i in range(self.n_req)]
+        self.p_blocks = sum(r.blocks for r in scope.requests) + 1
+        self.d_blocks = self.p_blocks + 1
+        self._layout_prefill()
+        self._layout_decode()
+        self.prefill = [self._new_prefill(p) for p in range(scope.p_tp)]
+        self.decode = [self._new_decode(d) for d in range(scope.d_tp)]
+        self.to_d: dict[tuple[int, int], deque[bytes]] = {}
+        self.to_p: dict[tuple[int, int], deque[bytes]] = {}
+        for p in range(scope.p_tp):
+            d = self.mapping.d_rank(p)
+            self.to_d[(p, d)] = deque()
+            self.to_p[(p, d)] = deque()
+        self.reads: list[deque[IssueRead]] = [deque() for _ in range(scope.d_tp)]
+        self.schedule = self._schedule()
+        self.p_pos = [(0, 0, "begin")] * scope.p_tp  # (step, layer, phase) per Prefill rank
+        self.p_started: list[set[int]] = [set() for _ in range(scope.p_tp)]
+        self.rendezvous: set[int] = set()
+        self.registered: list[set[int]] = [set() for _ in range(scope.d_tp)]
+        self.lost: set[int] = set()  # requests that died with a Decode restart
+        self.outcome: dict[int, bool] = {}
+        self.fail_next_read = [False] * scope.d_tp
+        self.faults = 0
+        self.timer_fired = False
+        self.p_errors = 0
+        self.d_now = [0.0] * scope.d_tp
+        self.ghost = _Ghost()
+        self._ready_in_hand: tuple[int, wire.ReadReadyBatch] | None = None
+        self.block_owner = np.full(self.d_blocks, "", dtype=object)  # main pool, shared
+        self.idx_owner = [np.full(self.d_blocks, "", dtype=object) for _ in range(scope.d_tp)]
+        for p, core in enumerate(self.prefill):
+            inv.check_s2_gates_by_address(
+                [core.gates_of(layer) for layer in range(scope.n_layers)],
+                [layer % scope.n_slots for layer in range(scope.n_layers)], f"P{p}")
+
+    # ------------------------------------------------------------------ layout
+    def _layout_prefill(self) -> None:
+        s = self.scope
+        self.p_tensor_base: list[list[int]] = []  # [slot][tensor]
+        addr = P_BASE
+        for _slot in range(s.n_slots):
+            row = []
+            for nbytes in self.tbytes:
+                row.append(addr)
+                addr += self.p_blocks * nbytes
+            self.p_tensor_base.append(row)
+        self.p_mem = [np.zeros(addr, dtype=np.uint8) for _ in range(s.p_tp)]
+        # Non-contiguous, request-disjoint Prefill block ids exercise the coalescing.
+        ids = np.arange(self.p_blocks - 1)[::-1]
+        self.p_main_ids, self.p_idx_ids = [], []
+        start = 0
+        for i, r in enumerate(s.requests):
+            mine = ids[start:start + r.blocks]
+            start += r.blocks
+            self.p_main_ids.append(mine if i % 2 else np.sort(mine))
+            self.p_idx_ids.append(np.sort(mine))
+        self.layer_meta = {}
+        for layer in range(s.n_layers):
+            base = self.p_tensor_base[layer % s.n_slots]
+            n = len(self.tbytes)
+            self.layer_meta[f"layer.{layer}"] = wire.LayerMeta(
+                tuple(base), self.tbytes, (1,) * n, tuple([0, 0, 1, 1][:n]), 2, s.indexer)
+
+    def _layout_decode(self) -> None:
+        s = self.scope
+        self.d_regions: list[tuple[int, int, str, int, int, int]] = []  # start,end,kind,l,t,rank
+        addr = D_BASE
+        self.d_dest: list[dict[str, DestLayout]] = [{} for _ in range(s.d_tp)]
+        main_base: dict[tuple[int, int], int] = {}
+        for layer in range(s.n_layers):
+            for t in range(2):
+                nbytes = self._d_bytes(layer, t)
+                main_base[(layer, t)] = addr
+                self.d_regions.append((addr, addr + self.d_blocks * nbytes, "main", layer, t, -1))
+                addr += self.d_blocks * nbytes
+        for d in range(s.d_tp):
+            for layer in range(s.n_layers):
+                bases = [main_base[(layer, 0)], main_base[(layer, 1)]]
+                for t in range(2, len(self.tbytes)):
+                    nbytes = self._d_bytes(layer, t)
+                    bases.append(addr)
+                    self.d_regions.append(
+                        (addr, addr + self.d_blocks * nbytes, "indexer", layer, t, d))
+                    addr += self.d_blocks * nbytes
+                self.d_dest[d][f"layer.{layer}"] = DestLayout(
+                    tuple(bases), tuple(self._d_bytes(layer, t) for t in range(len(self.tbytes))),
+                    (self.d_blocks,) * len(self.tbytes), 2, s.indexer,
+                    s.indexer and s.scale)
+        self.d_mem = np.zeros(addr, dtype=np.uint8)
+        self.region_starts = np.array([r[0] for r in self.d_regions], dtype=np.int64)
+        # Destination ids: the main pool is shared by the Decode ranks (one list per request);
+        # each rank's indexer copy is rank-local (its own list).
+        pool = np.arange(1, self.d_blocks)
+        self.d_main_ids, self.d_idx_ids = [], [[] for _ in range(s.d_tp)]
+        start = 0
+        for r in s.requests:
+            self.d_main_ids.append(pool[start:start + r.blocks])
+            for d in range(s.d_tp):
+                self.d_idx_ids[d].append(np.roll(pool, d)[start:start + r.blocks])
+            start += r.blocks
+
+    def _d_bytes(self, layer: int, tensor: int) -> int:
+        nbytes = self.tbytes[tensor]
+        if layer == self.scope.layout_mismatch_layer and tensor < 2:
+            return nbytes * 2
+        return nbytes
+
+    def _new_prefill(self, p: int) -> PrefillCore:
+        cls = LegacyPrefillCore if p == self.scope.legacy_rank else self.prefill_cls
+        return cls(p, self.mapping, f"p{p}:1", self.layer_meta, block_size=BLOCK_TOKENS)
+
+    def _new_decode(self, d: int) -> DecodeCore:
+        return self.decode_cls(d, self.scope.d_tp, self.d_dest[d], destination_wait=10.0,
+                               request_deadline=FOREVER)
+
+    def _schedule(self) -> list[list[tuple[int, int, bool]]]:
+        """Chunked prefill: step k runs chunk k of every request that has one (C2)."""
+        steps = []
+        for k in range(max(len(r.chunks) for r in self.scope.requests)):
+            steps.append([(i, r.chunks[k], k == len(r.chunks) - 1)
+                          for i, r in enumerate(self.scope.requests) if k < len(r.chunks)])
+        return steps
+
+    def _params(self, i: int) -> dict:
+        r = self.scope.requests[i]
+        params = {"remote_host": "d", "remote_port": D_PORT, "remote_tp_size": self.scope.d_tp,
+                  "remote_engine_id": "decode-0", "do_remote_decode": True}
+        if r.cached_tokens is not None:
+            params["remote_cached_tokens"] = r.cached_tokens
+        return params
+
+    def _dispatched(self, i: int) -> bool:
+        """C3: Prefill gets a request once every prompt of its list has its rendezvous."""
+        group = self.scope.requests[i].group
+        if group < 0:
+            return i in self.rendezvous
+        return all(j in self.rendezvous for j, r in enumerate(self.scope.requests)
+                   if r.group == group)
+
+    # ------------------------------------------------------------------ operations
+    def enabled(self, faults: bool = True) -> list[Op]:
+        ops: list[Op] = []
+        s = self.scope
+        for p in range(s.p_tp):
+            if self._prefill_can_step(p):
+                ops.append(("prefill", p))
+        for (p, d), q in self.to_d.items():
+            if q:
+                ops.append(("to_decode", p, d))
+        for (p, d), q in self.to_p.items():
+            if q:
+                ops.append(("to_prefill", p, d))
+        for d in range(s.d_tp):
+            if self.reads[d]:
+                ops.append(("read", d))
+        for i in range(self.n_req):
+            if i not in self.rendezvous:
+                ops.append(("rendezvous", i))
+            elif i not in self.lost and i not in self.outcome:
+                for d in range(s.d_tp):
+                    if i not in self.registered[d]:
+                        ops.append(("register", d, i))
+                if all(i in reg for reg in self.registered) and all(
+                        core.local_outcome(self.ext[i]) is not None for core in self.decode):
+                    ops.append(("agree", i))
+        progress = bool(ops)
+        for d, core in enumerate(self.decode):
+            if core._waiting or (not progress and core.next_deadline() is not None):
+                ops.append(("tick", d))
+        if faults and self.faults < s.max_faults:
+            for d in range(s.d_tp):
+                if not self.fail_next_read[d]:
+                    ops.append(("fail_read", d))
+            for key, q in self.to_p.items():
+                if q:
+                    ops.append(("dup_reply", *key))
+            for key in self.ghost.last_final:
+                ops.append(("replay_final", *key))
+            for key in self.to_d:
+                ops.append(("garbage", *key))
+            ops.append(("restart_decode",))
+        return ops
+
+    def apply(self, op: Op) -> str:
+        """Perform one operation; return a one-line description for counterexamples."""
+        kind = op[0]
+        if kind in ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode"):
+            self.faults += 1
+        return getattr(self, f"_op_{kind}")(*op[1:])
+
+    def progress_pending(self) -> bool:
+        return bool(self.enabled(faults=False))
+
+    # Prefill --------------------------------------------------------------
+    def _prefill_can_step(self, p: int) -> bool:
+        step, layer, phase = self.p_pos[p]
+        if step >= len(self.schedule):
+            return False
+        if phase != "begin":
+            return True
+        if layer == 0 and not all(self._dispatched(i) for i, _, _ in self.schedule[step]):
+            return False
+        return all(g.state in ("free", "failed") for g in self.prefill[p].gates_of(layer))
+
+    def _op_prefill(self, p: int) -> str:
+        step, layer, phase = self.p_pos[p]
+        core = self.prefill[p]
+        if phase == "begin":
+            if layer == 0:
+                for i, tokens, final in self.schedule[step]:
+                    if i not in self.p_started[p]:
+                        self.p_started[p].add(i)
+                        core.add_request(self.ext[i], self._params(i), self.p_main_ids[i],
+                                         self.p_idx_ids[i])
+                    core.schedule_chunk(self.ext[i], tokens, final)
+            try:
+                core.layer_writable(layer)
+            except LayerSendError:
+                self.p_errors += 1  # S4: the compute path saw the failure instead of hanging
+            slot = layer % self.scope.n_slots
+            inv.check_s1_no_overwrite_while_read(self.ghost.readers.get((p, slot), {}),
+                                                 f"P{p}", slot, layer)
+            self._emit_prefill(p, core.begin_layer(layer, 0.0), landed=False)
+            self.p_pos[p] = (step, layer, "scatter")
+            return f"P{p} begins writing layer {layer} (step {step})"
+        if phase == "scatter":
+            self._scatter(p, step, layer)
+            self.p_pos[p] = (step, layer, "land")
+            return f"P{p} scatter of layer {layer} lands in slot {layer % self.scope.n_slots}"
+        actions = core.layer_landed(layer, 0.0)
+        self._emit_prefill(p, actions, landed=True)
+        nxt = (step, layer + 1, "begin") if layer + 1 < self.scope.n_layers else (step + 1, 0,
+                                                                                  "begin")
+        self.p_pos[p] = nxt
+        return f"P{p} device event of layer {layer} signalled; sends {len(actions)} frame(s)"
+
+    def _scatter(self, p: int, step: int, layer: int) -> None:
+        mem = self.p_mem[p]
+        base = self.p_tensor_base[layer % self.scope.n_slots]
+        for i, tokens, final in self.schedule[step]:
+            req = self.prefill[p].requests.get(self.ext[i])
+            lo = req.chunk[0] if req is not None and req.chunk else 0
+            hi = -(-tokens // BLOCK_TOKENS)
+            for pos in range(lo, hi):
+                for t, nbytes in enumerate(self.tbytes):
+                    ids = self.p_main_ids[i] if t < 2 else self.p_idx_ids[i]
+                    a = base[t] - P_BASE + int(ids[pos]) * nbytes
+                    mem[a:a + nbytes] = pattern(i, layer, pos, t, nbytes)
+
+    def _emit_prefill(self, p: int, actions: list, landed: bool) -> None:
+        for a in actions:
+            assert isinstance(a, Send)
+            d = int(a.peer.split(":")[1]) - D_PORT
+            if wire.layer_of(a.payload) is not None:
+                msg = wire.decode(a.payload)
+                assert isinstance(msg, wire.ReadReadyBatch)
+                inv.check_c4_ready_after_landed(landed, f"P{p}", msg.layer_idx)
+                slot = msg.layer_idx % self.scope.n_slots
+                self.ghost.readers.setdefault((p, slot), Counter())[(f"D{d}", msg.layer_idx)] += 1
+            self.to_d[(p, d)].append(a.payload)
+
+    # network --------------------------------------------------------------
+    def _op_to_decode(self, p: int, d: int) -> str:
+        payload = self.to_d[(p, d)].popleft()
+        desc = f"D{d} receives {_describe(payload)} from P{p}"
+        layer = wire.layer_of(payload)
+        if layer is not None:
+            self.ghost.readys[(p, d)] += 1
+            try:
+                msg = wire.decode(payload)
+            except ProtocolError:
+                msg = None
+            if isinstance(msg, wire.ReadReadyBatch):
+                inv.check_w1_meta_before_ready((p, d) in self.ghost.meta_seen, f"P{p}->D{d}",
+                                               msg.layer_idx)
+                for e in msg.read_reqs:
+                    self.ghost.ratios.setdefault((d, e.ext_req_id), set()).add(msg.tp_ratio)
+                for ext in msg.done_ext_ids:
+                    self.ghost.finals.setdefault((d, ext), set()).add(msg.group_member_idx)
+                if msg.done_ext_ids:
+                    self.ghost.last_final[(p, d)] = payload
+                self._ready_in_hand = (p, msg)
+        elif _kind(payload) == wire.MF_META:
+            self.ghost.meta_seen.add((p, d))
+        actions = self.decode[d].on_frame(f"p{p}", payload, self.d_now[d])
+        self._emit_decode(d, actions)
+        self._ready_in_hand = None
+        return desc
+
+    def _op_to_prefill(self, p: int, d: int) -> str:
+        payload = self.to_p[(p, d)].popleft()
+        desc = f"P{p} receives {_describe(payload)} from D{d}"
+        try:
+            msg = wire.decode(payload) if payload != wire.RAW_ACK else None
+        except ProtocolError:
+            msg = None
+        if isinstance(msg, (wire.ReadDone, wire.ReadFailed)):
+            readers = self.ghost.readers.get((p, msg.layer_idx % self.scope.n_slots))
+            key = (f"D{d}", msg.layer_idx)
+            if readers is not None and readers[key] > 0:
+                readers[key] -= 1
+        try:
+            actions = self.prefill[p].on_frame(f"d:{D_PORT + d}", payload, 0.0)
+        except ProtocolError as exc:
+            return desc + f" (rejected: {exc})"
+        self._emit_prefill(p, actions, landed=True)
+        return desc
+
+    def _emit_decode(self, d: int, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                p = int(a.peer[1:])
+                if _kind(a.payload) in (wire.READ_DONE, wire.READ_FAILED):
+                    self.ghost.replies[(p, d)] += 1
+                    inv.check_s3_one_reply_per_ready(self.ghost.readys[(p, d)],
+                                                     self.ghost.replies[(p, d)],
+                                                     f"P{p}<->D{d}", drained=False)
+                self.to_p[(p, d)].append(a.payload)
+            elif isinstance(a, IssueRead):
+                if self._ready_in_hand is not None:
+                    p, msg = self._ready_in_hand
+                    self.ghost.read_origin[(d, a.read_id)] = (p, msg.layer_idx,
+                                                              msg.group_member_idx)
+                self.reads[d].append(a)
+            # RequestReady / RequestFinished: the agreement operation polls local_outcome.
+
+    # Decode transfers ----------------------------------------------------
+    def _op_read(self, d: int) -> str:
+        req = self.reads[d].popleft()
+        origin = self.ghost.read_origin.pop((d, req.read_id), None)
+        if self.fail_next_read[d]:
+            self.fail_next_read[d] = False
+            result = -1
+        else:
+            result = self._transfer(d, req, origin)
+        actions = self.decode[d].read_result(req.read_id, result, self.d_now[d])
+        self._emit_decode(d, actions)
+        return f"D{d} batched read {req.read_id} ({len(req.plan)} descriptors) -> {result}"
+
+    def _transfer(self, d: int, req: IssueRead, origin: tuple[int, int, int] | None) -> int:
+        """The engine: bounds-check every descriptor, then copy all of them (or none)."""
+        p = int(req.session.split(":")[0][1:])
+        src, dst = self.p_mem[p], self.d_mem
+        plan = req.plan
+        local = plan.local_addrs.astype(np.int64) - D_BASE
+        peer = plan.peer_addrs.astype(np.int64) - P_BASE
+        n = plan.lengths.astype(np.int64)
+        if (local < 0).any() or (local + n > dst.size).any() or (peer < 0).any() or \
+                (peer + n > src.size).any():
+            return -2
+        main_written = 0
+        for lo, pe, ln in zip(local.tolist(), peer.tolist(), n.tolist(), strict=True):
+            owners, is_main = self._owners(lo + D_BASE, ln, d)
+            inv.check_r5_no_write_after_terminal(owners, f"D{d} read {req.read_id}")
+            main_written += len(owners) if is_main else 0
+        if origin is not None:
+            inv.check_t2_main_once(origin[2], main_written, f"D{d} read from P{origin[0]}")
+        for lo, pe, ln in zip(local.tolist(), peer.tolist(), n.tolist(), strict=True):
+            dst[lo:lo + ln] = src[pe:pe + ln]
+        return 0
+
+    def _owners(self, addr: int, length: int, d: int) -> tuple[list[str | None], bool]:
+        k = int(np.searchsorted(self.region_starts, addr, side="right")) - 1
+        start, end, kind, _layer, tensor, rank = self.d_regions[k]
+        nbytes = self._d_bytes(_layer, tensor)
+        first = (addr - start) // nbytes
+        last = (min(addr + length, end) - 1 - start) // nbytes
+        table = self.block_owner if kind == "main" else self.idx_owner[rank]
+        owners = [table[b] or None for b in range(first, last + 1)]
+        return owners, kind == "main"
+
+    # Decode scheduler ----------------------------------------------------
+    def _op_rendezvous(self, i: int) -> str:
+        self.rendezvous.add(i)
+        self.block_owner[self.d_main_ids[i]] = self.ext[i]
+        for d in range(self.scope.d_tp):
+            self.idx_owner[d][self.d_idx_ids[d][i]] = self.ext[i]
+        return f"Decode allocates {self.ext[i]} and posts its rendezvous (C1)"
+
+    def _op_register(self, d: int, i: int) -> str:
+        self.registered[d].add(i)
+        actions = self.decode[d].register_request(
+            self.ext[i], self.d_main_ids[i], self.d_idx_ids[d][i], self.d_now[d])
+        self._emit_decode(d, actions)
+        return f"D{d} worker registers destinations of {self.ext[i]}"
+
+    def _op_agree(self, i: int) -> str:
+        ext = self.ext[i]
+        outcomes = {d: core.local_outcome(ext) for d, core in enumerate(self.decode)}
+        all_ok = all(outcomes.values())
+        finished = {}
+        for d, core in enumerate(self.decode):
+            for a in core.apply_agreement(ext, all_ok):
+                finished[d] = a.ok
+        inv.check_r2_ranks_agree(ext, finished)
+        ok = all(finished.values())
+        self.outcome[i] = ok
+        if ok:
+            for d in range(self.scope.d_tp):
+                inv.check_r1_success_needs_all(ext, f"D{d}", self.ghost.ratios.get((d, ext),
+                                                                                    set()),
+                                               self.ghost.finals.get((d, ext), set()))
+            self._check_bytes(i)
+        dead = "!" + ext
+        self.block_owner[self.d_main_ids[i]] = dead
+        for d in range(self.scope.d_tp):
+            self.idx_owner[d][self.d_idx_ids[d][i]] = dead
+        return f"Decode TP group agrees: {ext} {'succeeded' if ok else 'failed'} (R1, R2)"
+
+    def _check_bytes(self, i: int) -> None:
+        """Every byte of every layer of a successful request equals the Prefill bytes."""
+        r = self.scope.requests[i]
+        first = (r.cached_tokens or 0) // BLOCK_TOKENS
+        for layer in range(self.scope.n_layers):
+            for t, nbytes in enumerate(self.tbytes):
+                dbytes = self._d_bytes(layer, t)
+                ranks = [-1] if t < 2 else list(range(self.scope.d_tp))
+                for d in ranks:
+                    ids = self.d_main_ids[i] if t < 2 else self.d_idx_ids[d][i]
+                    base = next(rg[0] for rg in self.d_regions if rg[3] == layer
+                                and rg[4] == t and rg[5] == d)
+                    for pos in range(first, r.blocks):
+                        a = base - D_BASE + int(ids[pos]) * dbytes
+                        got = self.d_mem[a:a + dbytes]
+                        inv.check_data(self.ext[i], f"layer {layer} tensor {t} block {pos}"
+                                       f"{'' if d < 0 else f' on D{d}'}", got,
+                                       pattern(i, layer, pos, t, nbytes))
+
+    # timers and faults ---------------------------------------------------
+    def _op_tick(self, d: int) -> str:
+        deadline = self.decode[d].next_deadline()
+        self.d_now[d] = max(self.d_now[d], deadline)
+        self.timer_fired = True
+        actions = self.decode[d].tick(self.d_now[d])
+        self._emit_decode(d, actions)
+        return f"D{d} timers fire at t={self.d_now[d]:g}"
+
+    def _op_fail_read(self, d: int) -> str:
+        self.fail_next_read[d] = True
+        return f"fault: D{d}'s next batched read will fail"
+
+    def _op_dup_reply(self, p: int, d: int) -> str:
+        q = self.to_p[(p, d)]
+        q.insert(1, q[0])
+        return f"fault: D{d}'s next reply to P{p} is duplicated"
+
+    def _op_replay_final(self, p: int, d: int) -> str:
+        self.to_d[(p, d)].append(self.ghost.last_final[(p, d)])
+        return f"fault: P{p}'s last final-layer READY reaches D{d} again (R4)"
+
+    def _op_garbage(self, p: int, d: int) -> str:
+        bad = msgpack.packb([wire.READ_READY_BATCH, self.scope.n_layers - 1, "layer.x",
+                             [["r", [-1], [], 0, 0]], [], 0, 1], use_bin_type=True)
+        self.to_d[(p, d)].append(bad)
+        return f"fault: a malformed READY from P{p} reaches D{d} (W5)"
+
+    def _op_restart_decode(self) -> str:
+        """The Decode instance restarts on the same ports: its requests, connections and
+        in-flight traffic are gone; Prefill's socket monitor reports the peers lost."""
+        self.decode = [self._new_decode(d) for d in range(self.scope.d_tp)]
+        self.reads = [deque() for _ in range(self.scope.d_tp)]
+        for i in self.rendezvous:
+            if i not in self.outcome:
+                self.lost.add(i)
+                self.block_owner[self.d_main_ids[i]] = "!" + self.ext[i]
+                for d in range(self.scope.d_tp):
+                    self.idx_owner[d][self.d_idx_ids[d][i]] = "!" + self.ext[i]
+        self.registered = [set() for _ in range(self.scope.d_tp)]
+        for key in self.to_d:
+            self.to_d[key].clear()
+            self.to_p[key].clear()
+            self.ghost.readys[key] = self.ghost.replies[key] = 0
+        self.ghost.meta_seen.clear()
+        self.ghost.readers.clear()
+        self.ghost.last_final.clear()
+        self.ghost.read_origin.clear()
+        for p, core in enumerate(self.prefill):
+            core.peer_gone(f"d:{D_PORT + self.mapping.d_rank(p)}", 0.0, "decode restarted")
+        return "fault: the Decode instance restarts (S5, W1)"
+
+    # ------------------------------------------------------------------ quiescence
+    def check_quiescent(self) -> None:
+        """Called when no progress operation is enabled: nothing may be left hanging."""
+        problems = []
+        for p, core in enumerate(self.prefill):
+            step, layer, _ = self.p_pos[p]
+            if step < len(self.schedule):
+                states = [g.state for g in core.gates_of(layer)]
+                problems.append(f"P{p} blocked before layer {layer} of step {step}: "
+                                f"gates {states}")
+        for i in range(self.n_req):
+            if i in self.rendezvous and i not in self.outcome and i not in self.lost:
+                problems.append(f"{self.ext[i]} never reached a terminal state")
+        for (p, d) in self.to_d:
+            inv.check_s3_one_reply_per_ready(self.ghost.readys[(p, d)],
+                                             self.ghost.replies[(p, d)], f"P{p}<->D{d}",
+                                             drained=True)
+        inv.check_quiescence(problems)
+        inv.check_r3_independent(g.state for core in self.prefill for g in core.gates.values())
+        clean = (self.faults == 0 and not self.timer_fired and self.scope.legacy_rank is None
+                 and self.scope.layout_mismatch_layer is None)
+        if clean:
+            failed = [self.ext[i] for i, ok in self.outcome.items() if not ok]
+            if failed:
+                raise inv.InvariantViolation(
+                    "R1", f"{failed} failed although no fault was injected and no timer fired")
+
+    # ------------------------------------------------------------------ exploration
+    def canonical(self) -> tuple:
+        """A hashable digest of everything that matters for future behaviour."""
+        prefill = tuple(
+            (tuple(g.snapshot() for g in core.gates.values()),
+             tuple((k, ep.session.state, len(ep.held)) for k, ep in sorted(core.endpoints.items())),
+             tuple(sorted((k, r.sent_blocks, r.chunk) for k, r in core.requests.items())),
+             core.stale_replies)
+            for core in self.prefill)
+        decode = tuple(
+            (tuple(sorted(core.connections)),
+             tuple(sorted((k, r.status.snapshot(), r.inflight) for k, r in core.requests.items())),
+             tuple(sorted(core.terminal.items())),
+             tuple(r.read.key.rsplit("/", 1)[0] for r in core._waiting))
+            for core in self.decode)
+        net = tuple((k, tuple(self.to_d[k]), tuple(self.to_p[k])) for k in sorted(self.to_d))
+        reads = tuple(tuple((r.session, r.plan.local_addrs.tobytes(), r.plan.peer_addrs.tobytes())
+                            for r in q) for q in self.reads)
+        return (prefill, decode, net, reads, tuple(self.p_pos), tuple(sorted(self.rendezvous)),
+                tuple(tuple(sorted(r)) for r in self.registered), tuple(sorted(self.outcome.items())),
+                self.p_mem[0].tobytes() if self.p_mem else b"", self.d_mem.tobytes())
+
+
+def _describe(payload: bytes) -> str:
+    if payload == wire.RAW_ACK:
+        return "ACK"
+    try:
+        msg = wire.decode(payload)
+    except ProtocolError as exc:
+        return f"a malformed frame ({str(exc)[:60]})"
+    if isinstance(msg, wire.ReadReadyBatch):
+        reqs = ", ".join(f"{e.ext_req_id}:{len(e.p_main_block_ids)}m/{len(e.p_indexer_block_ids)}i"
+                         for e in msg.read_reqs)
+        done = f" done={list(msg.done_ext_ids)}" if msg.done_ext_ids else ""
+        return (f"READY layer {msg.layer_idx} [{reqs}]{done} member {msg.group_member_idx}/"
+                f"{msg.tp_ratio}")
+    if isinstance(msg, wire.MfMeta):
+        return "MF_META"
+    if isinstance(msg, wire.MfMetaAck):
+        return "MF_META_ACK" + ("" if msg.accepted else f" refused: {msg.error}")
+    if isinstance(msg, wire.ReadDone):
+        return f"READ_DONE layer {msg.layer_idx}"
+    if isinstance(msg, wire.ReadFailed):
+        return f"READ_FAILED layer {msg.layer_idx} ({msg.error[:60]})"
+    return type(msg).__name__
+
+
+def _kind(payload: bytes) -> bytes | None:
+    """The message kind of a frame without validating the rest (ghost bookkeeping only)."""
+    try:
+        head = msgpack.unpackb(payload, raw=False)
+    except Exception:  # noqa: BLE001 - raw ACK or garbage: no kind
+        return None
+    return head[0] if isinstance(head, list) and head and isinstance(head[0], bytes) else None

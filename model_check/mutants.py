@@ -1,0 +1,230 @@
+"""Seeded bugs: named defects the checker must find, switched on only here.
+
+Each bug is a subclass of a production core that overrides one hook, so production code
+carries no flag that could turn a bug on. The catalog covers the seven "known failure
+modes" of PROTOCOL.md and at least one defect per rule group (S, R, T, L, W, C, F).
+A bug that another defence provably masks is listed as ``equivalent`` with the reason;
+the checker still runs it, to show it is not killed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sfa_rd2h.runtime.decode_core import DecodeCore, DecodeRequest, _Ready
+from sfa_rd2h.runtime.prefill_core import PrefillCore, PrefillRequest
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.layout import DestLayout, ReadPlan
+from sfa_rd2h.spec.params import RemoteDecode
+from sfa_rd2h.spec.topology import Share, indexer_share, main_share, prefill_share, rotation
+from sfa_rd2h.statemachines.models import SlotGate
+
+
+# ---------------------------------------------------------------- Prefill defects
+class AckFromAnyReader(PrefillCore):
+    """Known failure 1: replies counted per layer, not per endpoint."""
+
+    def _match_reply(self, endpoint: str, layer_idx: int) -> list[tuple[SlotGate, str]]:
+        if not 0 <= layer_idx < len(self._layer_gates):
+            return []
+        return [(g, endpoint if g.is_pending(endpoint) else min(g.pending))
+                for g in self._layer_gates[layer_idx]
+                if g.state == "awaiting_replies" and g.owner == layer_idx and g.pending]
+
+
+class NoRehandshake(PrefillCore):
+    """Known failure 2: a restarted Decode keeps the cached session, no new MF_META."""
+
+    def _reset_session(self, ep) -> None:  # type: ignore[no-untyped-def]
+        return None
+
+
+class NotifyBeforeLanded(PrefillCore):
+    """Known failure 4: READY is published when the scatter starts, not when it landed."""
+
+    def begin_layer(self, layer_idx: int, now: float) -> list:
+        super().begin_layer(layer_idx, now)
+        return super().layer_landed(layer_idx, now)
+
+    def layer_landed(self, layer_idx: int, now: float) -> list:
+        return []
+
+
+class CachedTokensKeyError(PrefillCore):
+    """Known failure 7: ``remote_cached_tokens`` read with [] instead of a default."""
+
+    def _parse_params(self, params: Mapping) -> RemoteDecode:
+        return RemoteDecode(params["remote_host"], params["remote_port"],
+                            params["remote_tp_size"], params["remote_cached_tokens"])
+
+
+class GateByLayerName(PrefillCore):
+    """S2: completion gates keyed by layer name, so layers sharing a slot don't wait."""
+
+    def _gate_keys(self, layer_name: str, meta: wire.LayerMeta) -> tuple[str, str | None]:
+        return f"main:{layer_name}", (f"indexer:{layer_name}" if meta.has_indexer else None)
+
+
+class EveryMemberPullsMain(PrefillCore):
+    """T2: members other than 0 also send the (replicated) main KV."""
+
+    def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
+        rot = rotation(req.ext_req_id, start, self.mapping.d_tp)
+        share = prefill_share(start, stop, self.p_rank, self.mapping, rot)
+        main = main_share(start, stop, self.mapping.d_rank(self.p_rank), self.mapping.d_tp, rot)
+        return Share(main=main, indexer=share.indexer)
+
+
+class IndexerGap(PrefillCore):
+    """T3: indexer ranges split one member short, so the last member's range is lost."""
+
+    def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
+        share = super()._share(req, start, stop)
+        ratio = self.mapping.ratio
+        if ratio == 1:
+            return share
+        member = self.member
+        idx = indexer_share(start, stop, min(member, ratio - 2), ratio - 1) \
+            if member < ratio - 1 else (start, start)
+        return Share(main=share.main, indexer=idx)
+
+
+class DropsPartialBlock(PrefillCore):
+    """C2: the final chunk leaves out its partial last block."""
+
+    def _chunk_stop(self, computed_tokens: int, final: bool) -> int:
+        return computed_tokens // self.block_size
+
+
+# ---------------------------------------------------------------- Decode defects
+class TrustFirstRatio(DecodeCore):
+    """Known failure 3: the first tp_ratio seen for a request is trusted."""
+
+    def _ratio_conflict(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> bool:
+        return False
+
+    def _final_signal(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> tuple[int, int]:
+        return msg.group_member_idx, req.ratio or msg.tp_ratio
+
+
+class FailWithoutWaiting(DecodeCore):
+    """Known failure 5: a READY before destination registration fails at once."""
+
+    def _await_destinations(self, ready: _Ready, missing: frozenset[str], now: float) -> list:
+        return self._reject(ready, f"C1: no destinations for {sorted(missing)}")
+
+
+class WriteAfterTerminal(DecodeCore):
+    """Known failure 6: a late contributor still writes into a finished request's blocks."""
+
+    def _is_live(self, req: DecodeRequest) -> bool:
+        return True
+
+    def _forget(self, ext_req_id: str) -> None:
+        return None
+
+
+class DuplicateFinalAdvances(DecodeCore):
+    """R4: each final signal counts as a new contributor."""
+
+    def _final_signal(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> tuple[int, int]:
+        return len(req.status.finals) % msg.tp_ratio, msg.tp_ratio
+
+
+class TrustSourceLayout(DecodeCore):
+    """L1: Decode skips layout validation and addresses destinations with the source's
+    block sizes."""
+
+    def _plan_entry(self, src: wire.LayerMeta, dst: DestLayout, req: DecodeRequest,
+                    entry: wire.ReadReq) -> ReadPlan:
+        trusted = DestLayout(dst.base_addrs, src.ext_block_bytes, dst.num_blocks,
+                             dst.main_tensor_count, dst.has_indexer, dst.has_scale)
+        return super()._plan_entry(src, trusted, req, entry)
+
+    def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
+        return None
+
+
+class SilentEmptyLayer(DecodeCore):
+    """S3/T4: no reply when the Decode rank had nothing to read for the layer."""
+
+    def _must_reply(self, ready: _Ready) -> bool:
+        return ready.read.n_reads > 0
+
+
+class FailedReadReportedDone(DecodeCore):
+    """F2: a non-zero transfer result is treated as success."""
+
+    def _transfer_result(self, result: int) -> int:
+        return 0
+
+
+class MalformedUnanswered(DecodeCore):
+    """W5: a malformed READY whose layer is identifiable gets no READ_FAILED."""
+
+    def _answer_malformed(self, peer: str, payload: bytes, exc) -> list:  # type: ignore[no-untyped-def]
+        return []
+
+
+class NoMetaCheck(DecodeCore):
+    """W1: READY accepted on a connection without MF_META, using any other connection's."""
+
+    def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float) -> list:
+        if peer not in self.connections and self.connections:
+            self.connections[peer] = next(iter(self.connections.values()))
+        return super()._on_ready(peer, msg, now)
+
+
+# ---------------------------------------------------------------- catalog
+@dataclass(frozen=True)
+class SeededBug:
+    name: str
+    rules: tuple[str, ...]
+    doc: str
+    prefill: type[PrefillCore] = PrefillCore
+    decode: type[DecodeCore] = DecodeCore
+    scope_hint: str = ""  # which scopes expose it (informational)
+    equivalent: str = ""  # why another defence masks it, if it does
+
+
+BUGS: tuple[SeededBug, ...] = (
+    SeededBug("ack_from_any_reader", ("S1", "S5"), AckFromAnyReader.__doc__,
+              prefill=AckFromAnyReader),
+    SeededBug("no_rehandshake_after_restart", ("W1",), NoRehandshake.__doc__,
+              prefill=NoRehandshake),
+    SeededBug("trust_first_ratio", ("R1", "T1"), TrustFirstRatio.__doc__,
+              decode=TrustFirstRatio, scope_hint="legacy contributor"),
+    SeededBug("notify_before_landed", ("C4",), NotifyBeforeLanded.__doc__,
+              prefill=NotifyBeforeLanded),
+    SeededBug("fail_without_waiting", ("C1", "C4"), FailWithoutWaiting.__doc__,
+              decode=FailWithoutWaiting),
+    SeededBug("write_after_terminal", ("R5",), WriteAfterTerminal.__doc__,
+              decode=WriteAfterTerminal),
+    SeededBug("cached_tokens_keyerror", ("C1",), CachedTokensKeyError.__doc__,
+              prefill=CachedTokensKeyError),
+    SeededBug("gate_by_layer_name", ("S2", "S1"), GateByLayerName.__doc__,
+              prefill=GateByLayerName),
+    SeededBug("silent_empty_layer", ("S3", "T4"), SilentEmptyLayer.__doc__,
+              decode=SilentEmptyLayer),
+    SeededBug("duplicate_final_advances", ("R4", "R1"), DuplicateFinalAdvances.__doc__,
+              decode=DuplicateFinalAdvances),
+    SeededBug("every_member_pulls_main", ("T2",), EveryMemberPullsMain.__doc__,
+              prefill=EveryMemberPullsMain),
+    SeededBug("indexer_gap", ("T3",), IndexerGap.__doc__, prefill=IndexerGap),
+    SeededBug("trust_source_layout", ("L1",), TrustSourceLayout.__doc__,
+              decode=TrustSourceLayout, scope_hint="layout mismatch"),
+    SeededBug("malformed_unanswered", ("W5", "S3"), MalformedUnanswered.__doc__,
+              decode=MalformedUnanswered),
+    SeededBug("no_meta_check", ("W1",), NoMetaCheck.__doc__, decode=NoMetaCheck,
+              equivalent="Prefill holds every READY until the MF_META ACK of the same "
+                         "connection arrives (peer_session), and after a restart Prefill "
+                         "starts a new handshake, so a READY never reaches Decode on a "
+                         "connection without MF_META; the check is defence in depth."),
+    SeededBug("drops_partial_block", ("C2",), DropsPartialBlock.__doc__,
+              prefill=DropsPartialBlock),
+    SeededBug("failed_read_reported_done", ("F2", "R5"), FailedReadReportedDone.__doc__,
+              decode=FailedReadReportedDone),
+)
+
+BY_NAME = {b.name: b for b in BUGS}

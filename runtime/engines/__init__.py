@@ -1,0 +1,27 @@
+"""Transfer engines behind one MemFabric-shaped interface (PROTOCOL X1): host, MemFabric,
+Mooncake. Import ``make_engine`` and the interface from here; engine modules load lazily so
+a CPU machine never imports an accelerator library it does not have."""
+
+from sfa_rd2h.runtime.engines.base import (
+    ENGINE_NAMES,
+    EngineConfigError,
+    EngineError,
+    EngineUnavailable,
+    RegistrationError,
+    TransferEngine,
+    TransferResult,
+    make_engine,
+    tensor_region,
+)
+
+__all__ = [
+    "ENGINE_NAMES",
+    "EngineConfigError",
+    "EngineError",
+    "EngineUnavailable",
+    "RegistrationError",
+    "TransferEngine",
+    "TransferResult",
+    "make_engine",
+    "tensor_region",
+]

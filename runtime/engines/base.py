@@ -1,0 +1,354 @@
+"""The transfer-engine interface (PROTOCOL X1) and the pieces every engine shares.
+
+The call shape is MemFabric's: ``initialize`` returns a ``host:port`` session id that peers use
+to reach this engine, memory is registered by address, and Decode pulls with one synchronous
+batched read ``batch_transfer_sync_read(session, local_addrs, peer_addrs, lengths) -> int``.
+
+Two rules hold for every engine, because the protocol cores depend on them:
+
+* A data-path failure is a return value, never an exception (F2: any non-zero result becomes
+  READ_FAILED). Bad session, unregistered or out-of-bounds ranges, a dead peer, malformed
+  descriptor arrays: all of them return a non-zero ``TransferResult``.
+* Every descriptor is checked before the first byte moves, so a batch that fails validation
+  leaves the destination untouched (L1, R5). Engines that wrap a third-party library check
+  what they can see (their own registrations) and document the rest.
+
+Configuration mistakes (unknown engine, F4 re-configuration, overlapping registration) are
+programming errors and raise ``EngineError`` subclasses of ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import enum
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sfa_rd2h.spec.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+_U64_MAX = (1 << 64) - 1
+
+class EngineError(ProtocolError):
+    """A transfer engine was configured or used in a way it cannot serve."""
+
+
+class EngineUnavailable(EngineError):
+    """The requested engine does not exist or cannot run on this machine."""
+
+
+class EngineConfigError(EngineError):
+    """An engine was configured inconsistently (e.g. F4: a second, different binding)."""
+
+
+class RegistrationError(EngineError):
+    """A memory region cannot be registered or unregistered as asked."""
+
+
+class TransferResult(enum.IntEnum):
+    """Why a batched read failed. Only ``OK`` is zero; callers treat any non-zero alike (F2)."""
+
+    OK = 0
+    BAD_DESCRIPTORS = -1  # arrays of different length, negative or overflowing values
+    BAD_SESSION = -2  # not a "host:port" string
+    LOCAL_RANGE = -3  # destination not inside memory registered with this engine
+    PEER_RANGE = -4  # source not inside memory the peer registered
+    PEER_UNREACHABLE = -5  # nobody answers at the session, or it is on another host
+    PEER_GONE = -6  # the peer answered once and has since exited or closed its engine
+    COPY_FAILED = -7  # the copy itself failed or was short
+    NOT_PERMITTED = -8  # the kernel refused cross-process access
+    CLOSED = -9  # this engine was closed or never initialised
+    BACKEND = -10  # a wrapped library returned non-zero or raised
+
+
+class BatchError(ValueError):
+    """Descriptor arrays that cannot describe a read; engines turn it into BAD_DESCRIPTORS."""
+
+
+def as_u64(values: Any, what: str) -> np.ndarray:
+    """One descriptor column as a 1-D uint64 array, rejecting negatives and non-integers."""
+    if isinstance(values, np.ndarray):
+        arr = values.ravel()
+        if arr.dtype == np.uint64:
+            return arr
+        if arr.dtype.kind == "u":
+            return arr.astype(np.uint64)
+        if arr.dtype.kind != "i":
+            raise BatchError(f"{what}: integer array expected, got dtype {arr.dtype}")
+        if arr.size and int(arr.min()) < 0:
+            raise BatchError(f"{what}: negative value")
+        return arr.astype(np.uint64)
+    try:
+        seq = list(values)
+    except TypeError as exc:
+        raise BatchError(f"{what}: a sequence of integers expected") from exc
+    if not seq:
+        return np.zeros(0, dtype=np.uint64)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in seq):
+        raise BatchError(f"{what}: integers expected")
+    if min(seq) < 0 or max(seq) > _U64_MAX:
+        raise BatchError(f"{what}: value outside 0..2**64-1")
+    return np.array(seq, dtype=np.uint64)
+
+
+def descriptor_arrays(
+    local_addrs: Any, peer_addrs: Any, lengths: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and normalise a batch; zero-length descriptors are dropped (they move nothing).
+
+    Raises ``BatchError`` for arrays that cannot describe a read: unequal lengths, negative
+    values, or a range that wraps past the end of the address space.
+    """
+    local = as_u64(local_addrs, "local_addrs")
+    peer = as_u64(peer_addrs, "peer_addrs")
+    n = as_u64(lengths, "lengths")
+    if not (local.size == peer.size == n.size):
+        raise BatchError(
+            f"descriptor arrays differ in length: local={local.size} peer={peer.size} "
+            f"lengths={n.size}"
+        )
+    keep = n > 0
+    if not keep.all():
+        local, peer, n = local[keep], peer[keep], n[keep]
+    # uint64 addition wraps silently: a wrapped end is smaller than its start.
+    with np.errstate(over="ignore"):
+        if np.any(local + n < local) or np.any(peer + n < peer):
+            raise BatchError("a descriptor runs past the end of the address space")
+    return local, peer, n
+
+
+def coalesce(
+    local: np.ndarray, peer: np.ndarray, n: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive descriptors that are contiguous on both sides into one.
+
+    KV blocks of one request are often adjacent in both caches; merging them turns thousands
+    of block copies into a handful of large ones without changing which bytes move.
+    """
+    if local.size < 2:
+        return local, peer, n
+    joins = (local[:-1] + n[:-1] == local[1:]) & (peer[:-1] + n[:-1] == peer[1:])
+    if not joins.any():
+        return local, peer, n
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    sums = np.add.reduceat(n, starts)
+    return local[starts], peer[starts], sums.astype(np.uint64)
+
+
+@dataclass(frozen=True)
+class RangeTable:
+    """A sorted, immutable set of non-overlapping ``[start, end)`` ranges, looked up with numpy."""
+
+    starts: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def build(cls, addrs: Sequence[int], lengths: Sequence[int]) -> RangeTable:
+        s = np.asarray(addrs, dtype=np.uint64).ravel()
+        e = s + np.asarray(lengths, dtype=np.uint64).ravel()
+        order = np.argsort(s, kind="stable")
+        return cls(s[order], e[order])
+
+    def __len__(self) -> int:
+        return int(self.starts.size)
+
+    def locate(self, addrs: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each ``[addr, addr+n)``: whether one range holds all of it, and which one.
+
+        Returns ``(ok, idx)``; ``idx`` is only meaningful where ``ok`` is true.
+        """
+        if self.starts.size == 0 or addrs.size == 0:
+            return np.zeros(addrs.size, dtype=bool), np.zeros(addrs.size, dtype=np.intp)
+        idx = np.searchsorted(self.starts, addrs, side="right").astype(np.intp) - 1
+        safe = np.maximum(idx, 0)
+        ok = (idx >= 0) & (addrs + n <= self.ends[safe])
+        return ok, safe
+
+    def covers(self, addrs: np.ndarray, n: np.ndarray) -> bool:
+        ok, _ = self.locate(addrs, n)
+        return bool(ok.all())
+
+
+class RegionSet:
+    """This process's registered regions: idempotent on an identical region, strict on overlap.
+
+    Registration is rare (start-up), reads are hot, so the sorted snapshot used by reads is
+    rebuilt only when the set changes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._lens: list[int] = []
+        self._table = RangeTable.build([], [])
+
+    def add(self, addr: int, length: int) -> bool:
+        """Record ``[addr, addr+length)``; False if exactly that region is already present."""
+        addr, length = check_region(addr, length)
+        with self._lock:
+            i = bisect.bisect_left(self._starts, addr)
+            if i < len(self._starts) and self._starts[i] == addr:
+                if self._lens[i] == length:
+                    return False
+                raise RegistrationError(
+                    f"region 0x{addr:x} is already registered with {self._lens[i]} bytes, "
+                    f"not {length}; unregister it first"
+                )
+            for j in (i - 1, i):
+                if 0 <= j < len(self._starts):
+                    s, ln = self._starts[j], self._lens[j]
+                    if s < addr + length and addr < s + ln:
+                        raise RegistrationError(
+                            f"region [0x{addr:x}, +{length}) overlaps the registered region "
+                            f"[0x{s:x}, +{ln})"
+                        )
+            self._starts.insert(i, addr)
+            self._lens.insert(i, length)
+            self._table = RangeTable.build(self._starts, self._lens)
+            return True
+
+    def remove(self, addr: int) -> int:
+        """Forget the region starting at ``addr``; returns its length."""
+        with self._lock:
+            i = bisect.bisect_left(self._starts, addr)
+            if i == len(self._starts) or self._starts[i] != addr:
+                raise RegistrationError(f"no region is registered at 0x{addr:x}")
+            length = self._lens.pop(i)
+            self._starts.pop(i)
+            self._table = RangeTable.build(self._starts, self._lens)
+            return length
+
+    def table(self) -> RangeTable:
+        return self._table
+
+    def snapshot(self) -> tuple[list[int], list[int]]:
+        with self._lock:
+            return list(self._starts), list(self._lens)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def check_region(addr: int, length: int) -> tuple[int, int]:
+    """A region as two Python ints, or ``RegistrationError`` if it cannot be one."""
+    try:
+        a, n = int(addr), int(length)
+    except (TypeError, ValueError) as exc:
+        raise RegistrationError(f"region address and length must be integers: {exc}") from exc
+    if a <= 0 or n <= 0 or a + n > _U64_MAX:
+        raise RegistrationError(f"invalid region: addr=0x{a:x} length={n}")
+    return a, n
+
+
+def parse_session(session: Any) -> tuple[str, int] | None:
+    """``"host:port"`` as ``(host, port)``, or None when it is not one."""
+    if not isinstance(session, str):
+        return None
+    host, sep, port_s = session.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_s.isdigit():
+        return None
+    port = int(port_s)
+    if not 0 < port < 65536:
+        return None
+    return host, port
+
+
+class TransferEngine(abc.ABC):
+    """One endpoint of the KV transport: registers memory, serves it, and pulls from peers."""
+
+    #: Short name used by ``make_engine`` and in reports.
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        #: Human-readable reason of the latest non-zero result, for logs and reports.
+        self.last_error: str = ""
+
+    @abc.abstractmethod
+    def initialize(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving on ``host:port`` (0 = any free port); returns the session id."""
+
+    @property
+    @abc.abstractmethod
+    def session_id(self) -> str:
+        """The ``host:port`` peers pass to ``batch_transfer_sync_read`` to reach this engine."""
+
+    @abc.abstractmethod
+    def register_memory(self, addr: int, length: int) -> None:
+        """Make ``[addr, addr+length)`` readable by peers and usable as a read destination."""
+
+    @abc.abstractmethod
+    def unregister_memory(self, addr: int) -> None:
+        """Withdraw the region registered at ``addr``."""
+
+    @abc.abstractmethod
+    def batch_transfer_sync_read(
+        self, session: str, local_addrs: Any, peer_addrs: Any, lengths: Any
+    ) -> int:
+        """Copy ``peer[i] .. peer[i]+lengths[i]`` of ``session`` to ``local[i]``, for every i.
+
+        Returns 0 when every byte landed, a non-zero ``TransferResult`` otherwise. Never raises
+        for a data-path failure; a batch that fails validation leaves the destination untouched.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving and release resources; idempotent."""
+
+    def _fail(self, code: TransferResult, reason: str) -> int:
+        self.last_error = f"{code.name}: {reason}"
+        return int(code)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def tensor_region(t: torch.Tensor) -> tuple[int, int]:
+    """``(data_ptr, nbytes)`` of a tensor's storage window, for ``register_memory``.
+
+    Only contiguous tensors describe one byte range; a strided view would silently register
+    bytes that are not the tensor's.
+    """
+    import torch  # lazy: torch is heavy and only needed when tensors are involved
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"torch.Tensor expected, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise RegistrationError("only a contiguous tensor is one registrable byte range")
+    return int(t.data_ptr()), int(t.numel() * t.element_size())
+
+
+ENGINE_NAMES = ("host", "memfabric", "mooncake")
+
+
+def make_engine(name: str, **kw: Any) -> TransferEngine:
+    """Build the engine called ``name`` ("host", "memfabric" or "mooncake").
+
+    Raises ``EngineUnavailable`` for an unknown name or an engine whose library or device is
+    missing here, so a misconfigured deployment fails at start-up, not at the first read.
+    """
+    if name == "host":
+        from sfa_rd2h.runtime.engines.host import HostEngine
+
+        return HostEngine(**kw)
+    if name == "memfabric":
+        from sfa_rd2h.runtime.engines.memfabric import MemFabricEngine
+
+        return MemFabricEngine(**kw)
+    if name == "mooncake":
+        from sfa_rd2h.runtime.engines.mooncake import MooncakeEngine
+
+        return MooncakeEngine(**kw)
+    raise EngineUnavailable(
+        f"unknown transfer engine {name!r}; known engines: {', '.join(ENGINE_NAMES)}"
+    )

@@ -1,0 +1,621 @@
+"""Transfer engines (PROTOCOL X1, F2, F4, L1): real peer processes, real bytes, exact checks.
+
+Every peer runs in its own spawned process and registers memory the usual way (a torch tensor
+from the allocator, a numpy array); the test process reads it through the engine and compares
+bytes with the pattern the peer was told to write. Failures must come back as non-zero results
+within a bounded time and leave the destination exactly as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sfa_rd2h.runtime.engines import (
+    EngineConfigError,
+    EngineUnavailable,
+    RegistrationError,
+    TransferResult,
+    fake_memfabric,
+    make_engine,
+    tensor_region,
+)
+from sfa_rd2h.runtime.engines import host as host_mod
+from sfa_rd2h.runtime.engines.base import coalesce, descriptor_arrays
+from sfa_rd2h.runtime.engines.host import HostEngine, cma_status
+from sfa_rd2h.runtime.engines.memfabric import MemFabricEngine, bound_config, npu_visible
+from sfa_rd2h.runtime.probe import add_probe_parser, cmd_probe, pattern, run_local_probe
+
+TENSOR_BYTES = 1 << 20
+ARRAY_BYTES = 3 << 20
+STORE_URL = "tcp://127.0.0.1:6650"
+SENTINEL = 0xAB
+PEER_START_S = 60.0
+
+
+# --------------------------------------------------------------------------- peer process
+
+
+def _peer_main(conn: Any, kind: str, mode: str) -> None:
+    """A serving endpoint in its own process; answers register/unregister/exit commands."""
+    keep: list[Any] = []
+    regions: dict[str, tuple[int, int, int]] = {}
+
+    def own_array(n: int, seed: int, eng: Any) -> int:
+        if kind == "host" and mode == "shm":
+            addr, arr = eng.allocate(n)
+            arr[:] = pattern(n, seed)
+        else:
+            arr = pattern(n, seed).copy()
+            addr = int(arr.ctypes.data)
+            eng.register_memory(addr, n)
+        keep.append(arr)
+        return addr
+
+    if kind == "host":
+        eng: Any = HostEngine(mode=mode)
+        session = eng.initialize("127.0.0.1")
+        if mode == "cma":
+            import torch
+
+            t = torch.from_numpy(pattern(TENSOR_BYTES, 1)).clone()  # storage from torch
+            addr, n = tensor_region(t)
+            eng.register_memory(addr, n)
+            keep.append(t)
+            regions["tensor"] = (addr, n, 1)
+        else:
+            plain = np.zeros(4096, dtype=np.uint8)  # registered, but not in a shm segment
+            eng.register_memory(int(plain.ctypes.data), plain.nbytes)
+            keep.append(plain)
+            regions["plain"] = (int(plain.ctypes.data), plain.nbytes, 0)
+    elif kind == "fake_memfabric":
+        eng = MemFabricEngine(role="prefill", store_url=STORE_URL,
+                              backend_module=fake_memfabric)
+        session = eng.initialize("127.0.0.1")
+    else:
+        from sfa_rd2h.runtime.engines.mooncake import MooncakeEngine
+
+        eng = MooncakeEngine()
+        session = eng.initialize("127.0.0.1")
+    regions["array"] = (own_array(ARRAY_BYTES, 2, eng), ARRAY_BYTES, 2)
+    conn.send({"session": session, "pid": os.getpid(), "regions": regions})
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] == "register":
+            _, n, seed = msg
+            conn.send(own_array(n, seed, eng))
+        elif msg[0] == "unregister":
+            eng.unregister_memory(msg[1])
+            conn.send("ok")
+        else:
+            break
+    eng.close()
+
+
+class Peer:
+    def __init__(self, kind: str, mode: str = "auto") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, kind, mode), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(PEER_START_S):
+            self.proc.kill()
+            raise RuntimeError(f"{kind} peer did not start")
+        info = self.conn.recv()
+        self.session: str = info["session"]
+        self.pid: int = info["pid"]
+        self.regions: dict[str, tuple[int, int, int]] = info["regions"]
+
+    def ask(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        assert self.conn.poll(PEER_START_S), f"peer did not answer {msg[0]}"
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def cma_peer():
+    peer = Peer("host", "cma")
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def reader():
+    eng = HostEngine(mode="cma", timeout=2.0)
+    yield eng
+    eng.close()
+
+
+def _dest(eng: Any, n: int) -> tuple[np.ndarray, int]:
+    buf = np.full(n, SENTINEL, dtype=np.uint8)
+    eng.register_memory(int(buf.ctypes.data), n)
+    return buf, int(buf.ctypes.data)
+
+
+def _expect(region: tuple[int, int, int], off: int, n: int) -> np.ndarray:
+    return pattern(region[1], region[2])[off:off + n]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_descriptor_validation_and_coalescing() -> None:
+    local, peer, n = descriptor_arrays([100, 200, 300], [10, 50, 90], [100, 0, 7])
+    assert local.tolist() == [100, 300] and n.tolist() == [100, 7]  # zero-length dropped
+    with pytest.raises(ValueError):
+        descriptor_arrays([1, 2], [1], [1, 1])
+    with pytest.raises(ValueError):
+        descriptor_arrays([-1], [1], [1])
+    with pytest.raises(ValueError):
+        descriptor_arrays(np.array([2**64 - 8], dtype=np.uint64), [0], [16])
+    # Pairs contiguous on both sides merge; a gap on either side keeps them apart.
+    local = np.array([0, 10, 20, 40], dtype=np.uint64)
+    peer = np.array([100, 110, 130, 140], dtype=np.uint64)
+    sizes = np.array([10, 10, 20, 5], dtype=np.uint64)
+    ml, mp_, mn = coalesce(local, peer, sizes)
+    assert ml.tolist() == [0, 20, 40] and mp_.tolist() == [100, 130, 140]
+    assert mn.tolist() == [20, 20, 5]
+
+
+def test_tensor_region_rejects_strided_views() -> None:
+    import torch
+
+    t = torch.zeros(4, 8, dtype=torch.float32)
+    assert tensor_region(t) == (t.data_ptr(), 128)
+    with pytest.raises(RegistrationError):
+        tensor_region(t.t())
+
+
+def test_registration_is_idempotent_and_rejects_overlap() -> None:
+    eng = HostEngine()
+    buf = np.zeros(8192, dtype=np.uint8)
+    addr = int(buf.ctypes.data)
+    try:
+        eng.register_memory(addr, 4096)
+        eng.register_memory(addr, 4096)  # the same region again is a no-op
+        with pytest.raises(RegistrationError, match="already registered"):
+            eng.register_memory(addr, 8192)
+        with pytest.raises(RegistrationError, match="overlaps"):
+            eng.register_memory(addr + 100, 4096)
+        eng.unregister_memory(addr)
+        with pytest.raises(RegistrationError, match="no region"):
+            eng.unregister_memory(addr)
+    finally:
+        eng.close()
+
+
+# --------------------------------------------------------------------------- CMA data path
+
+
+def test_this_machine_uses_cma_in_auto_mode() -> None:
+    permitted, why = cma_status()
+    eng = HostEngine()
+    try:
+        assert eng.mode == ("cma" if permitted else "shm"), why
+    finally:
+        eng.close()
+
+
+def test_cma_reads_tensor_and_array_exactly(cma_peer: Peer, reader: HostEngine) -> None:
+    dst, base = _dest(reader, 64 << 10)
+    t_addr = cma_peer.regions["tensor"][0]
+    a_addr = cma_peer.regions["array"][0]
+    # (dest offset, peer address, source offset, length, region)
+    plan = [
+        (0, t_addr + 100, 100, 1000, "tensor"),  # unaligned, from the torch tensor
+        (2000, a_addr + 5000, 5000, 4096, "array"),  # gap before it stays untouched
+        (10000, t_addr + 8192, 8192, 4096, "tensor"),  # these two coalesce into one copy
+        (14096, t_addr + 12288, 12288, 4096, "tensor"),
+        (30000, a_addr + ARRAY_BYTES - 777, ARRAY_BYTES - 777, 777, "array"),  # last byte
+        (20000, a_addr, 0, 333, "array"),  # out of address order
+    ]
+    local = np.array([base + p[0] for p in plan], dtype=np.uint64)
+    peer = np.array([p[1] for p in plan], dtype=np.uint64)
+    sizes = np.array([p[3] for p in plan], dtype=np.uint64)
+    assert reader.batch_transfer_sync_read(cma_peer.session, local, peer, sizes) == 0
+    want = np.full_like(dst, SENTINEL)
+    for d, _, off, n, name in plan:
+        want[d:d + n] = _expect(cma_peer.regions[name], off, n)
+    np.testing.assert_array_equal(dst, want)
+
+    # Plain Python lists are accepted too.
+    dst.fill(SENTINEL)
+    ret = reader.batch_transfer_sync_read(
+        cma_peer.session, [base + 7], [a_addr + 11], [5000])
+    assert ret == 0
+    np.testing.assert_array_equal(dst[7:5007], _expect(cma_peer.regions["array"], 11, 5000))
+    assert (dst[:7] == SENTINEL).all() and (dst[5007:] == SENTINEL).all()
+
+
+def test_cma_splits_large_batches_into_bounded_syscalls(
+    cma_peer: Peer, reader: HostEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shrink the per-piece and per-syscall limits so a 3 MiB read exercises piece splitting,
+    # the byte cap and the IOV_MAX cap with real bytes.
+    monkeypatch.setattr(host_mod, "_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(host_mod, "_GROUP_BYTES", 256 << 10)
+    monkeypatch.setattr(host_mod, "IOV_MAX", 3)
+    region = cma_peer.regions["array"]
+    dst, base = _dest(reader, ARRAY_BYTES)
+    block = 3 << 10
+    count = ARRAY_BYTES // block
+    order = np.random.default_rng(7).permutation(count).astype(np.uint64)
+    local = base + order * np.uint64(block)
+    peer = region[0] + order * np.uint64(block)
+    sizes = np.full(count, block, dtype=np.uint64)
+    # One oversized descriptor on top: 1 MiB, split into 16 pieces.
+    assert reader.batch_transfer_sync_read(cma_peer.session, local, peer, sizes) == 0
+    np.testing.assert_array_equal(dst, pattern(*region[1:]))
+    dst.fill(SENTINEL)
+    ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [region[0]], [1 << 20])
+    assert ret == 0
+    np.testing.assert_array_equal(dst[: 1 << 20], _expect(region, 0, 1 << 20))
+    assert (dst[1 << 20:] == SENTINEL).all()
+
+
+def test_out_of_bounds_peer_range_fails_and_leaves_destination(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    dst, base = _dest(reader, 16 << 10)
+    a_addr, a_len, _ = cma_peer.regions["array"]
+    ret = reader.batch_transfer_sync_read(
+        cma_peer.session,
+        [base, base + 8192],
+        [a_addr, a_addr + a_len - 100],  # the second runs 1 byte past the registered end
+        [4096, 101],
+    )
+    assert ret == TransferResult.PEER_RANGE
+    assert "descriptor 1" in reader.last_error
+    assert (dst == SENTINEL).all()
+
+
+def test_unregistered_local_range_fails_and_leaves_destination(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    dst, base = _dest(reader, 8192)
+    a_addr = cma_peer.regions["array"][0]
+    ret = reader.batch_transfer_sync_read(
+        cma_peer.session, [base, base + 8000], [a_addr, a_addr + 8192], [1024, 1024])
+    assert ret == TransferResult.LOCAL_RANGE
+    assert (dst == SENTINEL).all()
+
+
+def test_malformed_batches_return_codes_instead_of_raising(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    dst, base = _dest(reader, 4096)
+    a_addr = cma_peer.regions["array"][0]
+    s = cma_peer.session
+    assert reader.batch_transfer_sync_read(s, [base], [a_addr], [1, 2]) == (
+        TransferResult.BAD_DESCRIPTORS)
+    assert reader.batch_transfer_sync_read(s, [base], [a_addr], [-5]) == (
+        TransferResult.BAD_DESCRIPTORS)
+    assert reader.batch_transfer_sync_read(s, [base], [a_addr], ["x"]) == (
+        TransferResult.BAD_DESCRIPTORS)
+    for bad in ("nonsense", "127.0.0.1:", "127.0.0.1:99999", None):
+        assert reader.batch_transfer_sync_read(bad, [base], [a_addr], [16]) == (
+            TransferResult.BAD_SESSION)
+    assert (dst == SENTINEL).all()
+
+
+def test_reader_refreshes_after_peer_registers_more_and_sees_unregister(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    dst, base = _dest(reader, 64 << 10)
+    a_addr = cma_peer.regions["array"][0]
+    assert reader.batch_transfer_sync_read(cma_peer.session, [base], [a_addr], [64]) == 0
+    new_addr = cma_peer.ask("register", 32 << 10, 9)  # after the reader cached the peer
+    ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [new_addr], [32 << 10])
+    assert ret == 0, reader.last_error
+    np.testing.assert_array_equal(dst[: 32 << 10], pattern(32 << 10, 9))
+    assert cma_peer.ask("unregister", new_addr) == "ok"
+    dst.fill(SENTINEL)
+    ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [new_addr], [4096])
+    assert ret == TransferResult.PEER_RANGE
+    assert (dst == SENTINEL).all()
+
+
+def test_unknown_session_fails_within_bounded_time(reader: HostEngine) -> None:
+    dst, base = _dest(reader, 4096)
+    t0 = time.monotonic()
+    ret = reader.batch_transfer_sync_read(f"127.0.0.1:{_closed_port()}", [base], [base], [16])
+    assert ret == TransferResult.PEER_UNREACHABLE
+    assert time.monotonic() - t0 < 2.5
+    assert (dst == SENTINEL).all()
+
+
+def test_dead_peer_gives_non_zero_result_and_no_bytes(reader: HostEngine) -> None:
+    peer = Peer("host", "cma")
+    try:
+        dst, base = _dest(reader, 4096)
+        a_addr = peer.regions["array"][0]
+        assert reader.batch_transfer_sync_read(peer.session, [base], [a_addr], [4096]) == 0
+        dst.fill(SENTINEL)
+        peer.proc.kill()  # no close(): the engine gets no chance to say goodbye
+        peer.proc.join(10)
+        t0 = time.monotonic()
+        assert reader.batch_transfer_sync_read(peer.session, [base], [a_addr], [4096]) == (
+            TransferResult.PEER_GONE)
+        assert reader.batch_transfer_sync_read(peer.session, [base], [a_addr], [4096]) == (
+            TransferResult.PEER_UNREACHABLE)
+        assert time.monotonic() - t0 < 2.5
+        assert (dst == SENTINEL).all()
+    finally:
+        peer.stop()
+        # A killed owner cannot remove its /dev/shm files; tidy up after it.
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(f"sfa_rd2h.{peer.pid}."):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
+def test_registry_survives_garbage_and_stops_promptly_despite_a_stalled_client(
+    cma_peer: Peer,
+) -> None:
+    eng = HostEngine(mode="cma", timeout=1.0)
+    session = eng.initialize("127.0.0.1")
+    port = int(session.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"\xff\xff\xff\xffgarbage")  # absurd frame length: dropped
+    other = HostEngine(mode="cma", timeout=1.0)
+    try:
+        dst, base = _dest(other, 64)
+        src = np.arange(64, dtype=np.uint8)
+        eng.register_memory(int(src.ctypes.data), 64)
+        assert other.batch_transfer_sync_read(session, [base], [int(src.ctypes.data)], [64]) == 0
+        np.testing.assert_array_equal(dst, src)
+        stalled = socket.create_connection(("127.0.0.1", port))  # connects, never sends
+        t0 = time.monotonic()
+        eng.close()
+        assert time.monotonic() - t0 < 2.5
+        stalled.close()
+        assert other.batch_transfer_sync_read(session, [base], [int(src.ctypes.data)], [64]) == (
+            TransferResult.PEER_GONE)
+    finally:
+        other.close()
+        eng.close()
+
+
+# --------------------------------------------------------------------------- shm data path
+
+
+def test_forced_shm_mode_moves_bytes_between_processes(cma_peer: Peer) -> None:
+    peer = Peer("host", "shm")
+    eng = HostEngine(mode="shm", timeout=2.0)
+    try:
+        assert eng.mode == "shm"
+        region = peer.regions["array"]
+        dst, base = _dest(eng, 32 << 10)  # plain memory is a valid destination in shm mode
+        ret = eng.batch_transfer_sync_read(
+            peer.session,
+            np.array([base + 4096, base], dtype=np.uint64),
+            np.array([region[0], region[0] + ARRAY_BYTES - 4096], dtype=np.uint64),
+            np.array([8192, 4096], dtype=np.uint64),
+        )
+        assert ret == 0, eng.last_error
+        np.testing.assert_array_equal(dst[4096:12288], _expect(region, 0, 8192))
+        np.testing.assert_array_equal(dst[:4096], _expect(region, ARRAY_BYTES - 4096, 4096))
+        assert (dst[12288:] == SENTINEL).all()
+
+        # Registered but not in a shm segment: a shm reader cannot reach it.
+        dst.fill(SENTINEL)
+        plain = peer.regions["plain"][0]
+        assert eng.batch_transfer_sync_read(peer.session, [base], [plain], [64]) == (
+            TransferResult.PEER_RANGE)
+        # Nor can it read a CMA peer's ordinary tensor.
+        t_addr = cma_peer.regions["tensor"][0]
+        assert eng.batch_transfer_sync_read(cma_peer.session, [base], [t_addr], [64]) == (
+            TransferResult.PEER_RANGE)
+        assert (dst == SENTINEL).all()
+
+        # A region the peer allocates later is found after one refresh.
+        new_addr = peer.ask("register", 8192, 5)
+        assert eng.batch_transfer_sync_read(peer.session, [base], [new_addr], [8192]) == 0
+        np.testing.assert_array_equal(dst[:8192], pattern(8192, 5))
+    finally:
+        eng.close()
+        peer.stop()
+
+
+def test_allocate_files_are_removed_on_close() -> None:
+    eng = HostEngine(mode="shm")
+    _, arr = eng.allocate(4096)
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(f"sfa_rd2h.{os.getpid()}.")]
+    assert len(names) >= 2  # control block and the region
+    eng.close()
+    left = [n for n in os.listdir("/dev/shm") if n in names]
+    assert left == []
+    arr[0] = 1  # the mapping outlives the file until the array goes
+
+
+# --------------------------------------------------------------------------- MemFabric
+
+
+def test_fake_memfabric_moves_bytes_between_two_processes() -> None:
+    peer = Peer("fake_memfabric")
+    eng = MemFabricEngine(role="decode", store_url=STORE_URL, backend_module=fake_memfabric)
+    try:
+        session = eng.initialize("127.0.0.1")
+        assert session.startswith("127.0.0.1:")
+        region = peer.regions["array"]
+        dst, base = _dest(eng, 64 << 10)
+        ret = eng.batch_transfer_sync_read(
+            peer.session, [base + 100, base + 20000], [region[0] + 999, region[0]], [5000, 7])
+        assert ret == 0, eng.last_error
+        np.testing.assert_array_equal(dst[100:5100], _expect(region, 999, 5000))
+        np.testing.assert_array_equal(dst[20000:20007], _expect(region, 0, 7))
+        dst.fill(SENTINEL)
+        # The fake answers a positive code for a peer-side fault; the engine still fails it.
+        ret = eng.batch_transfer_sync_read(peer.session, [base], [region[0] + ARRAY_BYTES], [8])
+        assert ret == TransferResult.BACKEND
+        assert "returned 4" in eng.last_error
+        assert eng.batch_transfer_sync_read(peer.session, [base - 64], [region[0]], [8]) == (
+            TransferResult.LOCAL_RANGE)
+        assert (dst == SENTINEL).all()
+    finally:
+        eng.close()
+        peer.stop()
+
+
+def test_memfabric_engine_is_one_process_wide_binding_f4() -> None:
+    kw = {"store_url": STORE_URL, "backend_module": fake_memfabric}
+    first = MemFabricEngine(role="decode", device_id=0, **kw)
+    second = MemFabricEngine(role="Decode", device_id=0, **kw)
+    try:
+        session = first.initialize("127.0.0.1")
+        assert second.initialize("127.0.0.1") == session  # same configuration: shared
+        with pytest.raises(EngineConfigError) as err:
+            MemFabricEngine(role="prefill", device_id=0, **kw).initialize("127.0.0.1")
+        assert "role=Decode" in str(err.value) and "role=Prefill" in str(err.value)
+        with pytest.raises(EngineConfigError, match="device=1"):
+            MemFabricEngine(role="decode", device_id=1, **kw).initialize("127.0.0.1")
+        with pytest.raises(EngineConfigError, match="hostname=localhost"):
+            MemFabricEngine(role="decode", device_id=0, **kw).initialize("localhost")
+        buf = np.zeros(8192, dtype=np.uint8)
+        addr = int(buf.ctypes.data)
+        first.register_memory(addr, 8192)
+        second.register_memory(addr, 8192)  # registered once, whoever asks
+        with pytest.raises(RegistrationError):
+            second.register_memory(addr, 4096)
+        first.close()
+        assert bound_config() is not None  # the second handle still holds it
+    finally:
+        first.close()
+        second.close()
+    assert bound_config() is None
+    other = MemFabricEngine(role="prefill", **kw)  # released: a new binding is allowed
+    try:
+        assert other.initialize("127.0.0.1")
+    finally:
+        other.close()
+
+
+def test_memfabric_rejects_bad_configuration() -> None:
+    with pytest.raises(EngineConfigError, match="role"):
+        MemFabricEngine(role="both", backend_module=fake_memfabric)
+    with pytest.raises(EngineConfigError, match="data_op_type"):
+        MemFabricEngine(role="decode", data_op_type="PIGEON", backend_module=fake_memfabric)
+    eng = MemFabricEngine(role="decode", backend_module=fake_memfabric)
+    env = os.environ.pop("ASCEND_MF_STORE_URL", None)
+    try:
+        with pytest.raises(EngineConfigError, match="store"):
+            eng.initialize("127.0.0.1")
+    finally:
+        if env is not None:
+            os.environ["ASCEND_MF_STORE_URL"] = env
+    assert bound_config() is None
+
+
+def test_memfabric_unavailable_on_this_cpu_machine() -> None:
+    try:
+        import memfabric_hybrid  # noqa: F401
+        importable = True
+    except ImportError:
+        importable = False
+    if importable and npu_visible():  # an Ascend host: the real engine must construct
+        make_engine("memfabric", role="decode").close()
+        return
+    with pytest.raises(EngineUnavailable, match="memfabric"):
+        make_engine("memfabric", role="decode")
+    with pytest.raises(EngineUnavailable, match="known engines"):
+        make_engine("carrier-pigeon")
+
+
+# --------------------------------------------------------------------------- Mooncake
+
+
+def test_mooncake_engine_moves_bytes_between_two_processes() -> None:
+    pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine-non-cuda absent")
+    peer = Peer("mooncake")
+    eng = make_engine("mooncake")
+    try:
+        eng.initialize("127.0.0.1")
+        region = peer.regions["array"]
+        dst, base = _dest(eng, 64 << 10)
+        ret = eng.batch_transfer_sync_read(
+            peer.session, [base + 10, base + 30000], [region[0] + 3, region[0] + 70000],
+            [20000, 1234])
+        assert ret == 0, eng.last_error
+        np.testing.assert_array_equal(dst[10:20010], _expect(region, 3, 20000))
+        np.testing.assert_array_equal(dst[30000:31234], _expect(region, 70000, 1234))
+        dst.fill(SENTINEL)
+        assert eng.batch_transfer_sync_read(peer.session, [base - 8], [region[0]], [16]) == (
+            TransferResult.LOCAL_RANGE)
+        assert eng.batch_transfer_sync_read(
+            peer.session, [base], [region[0] + ARRAY_BYTES - 8], [16]) != 0
+        assert (dst == SENTINEL).all()
+    finally:
+        eng.close()
+        peer.stop()
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def test_local_probe_verifies_every_byte() -> None:
+    result = run_local_probe("host", 8 << 20, repeats=2, block_bytes=1 << 20, timeout=30)
+    assert result["ok"], result
+    assert result["verified"] and result["bytes"] == 8 << 20
+    assert result["descriptors"] == 8 and len(result["seconds"]) == 2
+    assert result["prefill_rc"] == 0 and result["prefill_pid"] != os.getpid()
+    assert result["mode"] == ("cma" if cma_status()[0] else "shm")
+
+
+def test_probe_cli_two_endpoints_through_a_rendezvous_file(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rendezvous = str(tmp_path / "probe.json")
+    cli = argparse.ArgumentParser(prog="sfa-rd2h")
+    add_probe_parser(cli.add_subparsers(dest="command"))
+    common = ["--engine", "host", "--host-mode", "shm", "--rendezvous", rendezvous,
+              "--timeout", "30"]
+    prefill = subprocess.Popen(
+        [sys.executable, "-m", "sfa_rd2h.runtime.probe", "--role", "prefill", "--bytes", "3M",
+         *common],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        args = cli.parse_args(["probe", "--role", "decode", "--block-bytes", "256K", *common])
+        assert args.func is cmd_probe
+        assert args.func(args) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["ok"] and report["verified"] and report["mode"] == "shm"
+        assert report["bytes"] == 3 << 20 and report["descriptors"] == 12
+        out, _ = prefill.communicate(timeout=30)
+        assert prefill.returncode == 0
+        announced, final = (json.loads(line) for line in out.strip().splitlines())
+        assert announced["session"] == report["peer"]
+        assert final["ok"] and final["reader"]["verified"]
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()

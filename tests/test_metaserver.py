@@ -1,0 +1,461 @@
+"""Metaserver tests over real HTTP on loopback: the D-first rendezvous flow (C1, C3), F1
+retry semantics of ``post_rendezvous``, rendezvous validation, and bad HTTP input."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from sfa_rd2h.runtime.metaserver import (
+    MetaserverUnreachable,
+    ProxyRequestError,
+    ProxyServer,
+    Rendezvous,
+    RendezvousError,
+    fetch_work,
+    post_rendezvous,
+    report_finished,
+)
+from sfa_rd2h.spec.errors import ProtocolError
+
+WAIT = 10.0  # upper bound for anything awaited; never slept
+
+
+def _rdv(request_id: str, **kw: Any) -> Rendezvous:
+    base: dict[str, Any] = dict(
+        request_id=request_id,
+        remote_engine_id="d-engine-0",
+        remote_host="127.0.0.1",
+        remote_port=30000,
+        remote_tp_size=2,
+        remote_cached_tokens=16,
+    )
+    base.update(kw)
+    return Rendezvous(**base)
+
+
+def _raw(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WAIT)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def proxy():
+    with ProxyServer() as server:
+        yield server
+
+
+# --------------------------------------------------------------------------- Rendezvous
+
+
+def test_rendezvous_roundtrip_and_wire_keys() -> None:
+    rdv = _rdv("req-1")
+    obj = rdv.to_json()
+    assert obj == {
+        "request_id": "req-1",
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_engine_id": "d-engine-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 30000,
+        "remote_tp_size": 2,
+        "remote_pcp_size": 1,
+        "remote_dcp_size": 1,
+        "remote_cached_tokens": 16,
+    }
+    assert Rendezvous.from_json(json.loads(json.dumps(obj))) == rdv
+
+
+@pytest.mark.parametrize("value", ["absent", None])
+def test_missing_remote_cached_tokens_defaults_to_zero(value: object) -> None:
+    # Known failure 7: never a KeyError on a missing remote_cached_tokens.
+    obj = _rdv("req-1").to_json()
+    if value == "absent":
+        del obj["remote_cached_tokens"]
+    else:
+        obj["remote_cached_tokens"] = value
+    assert Rendezvous.from_json(obj).remote_cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("request_id", ""),
+        ("request_id", 7),
+        ("request_id", "x" * 1025),
+        ("remote_engine_id", None),
+        ("remote_host", "0.0.0.0"),
+        ("remote_host", "host name"),
+        ("remote_port", "30000"),
+        ("remote_port", 0),
+        ("remote_port", 65536),
+        ("remote_port", True),
+        ("remote_port", 30000.0),
+        ("remote_port", 65535),  # with tp 2 the highest rank port is 65536 (P2)
+        ("remote_tp_size", 0),
+        ("remote_pcp_size", 2),
+        ("remote_dcp_size", 4),
+        ("remote_cached_tokens", -1),
+        ("do_remote_prefill", True),
+        ("do_remote_decode", False),
+        ("do_remote_decode", "true"),
+    ],
+)
+def test_rendezvous_rejects_bad_field(field: str, value: object) -> None:
+    obj = _rdv("req-1").to_json()
+    obj[field] = value
+    with pytest.raises(RendezvousError, match=f"'{field}'") as info:
+        Rendezvous.from_json(obj)
+    assert info.value.field == field
+    assert isinstance(info.value, ProtocolError)
+
+
+@pytest.mark.parametrize(
+    "field", ["request_id", "remote_engine_id", "remote_host", "remote_port", "remote_tp_size"]
+)
+def test_rendezvous_requires_field(field: str) -> None:
+    obj = _rdv("req-1").to_json()
+    del obj[field]
+    with pytest.raises(RendezvousError, match=f"'{field}': is required"):
+        Rendezvous.from_json(obj)
+
+
+def test_rendezvous_rejects_non_object_and_bad_construction() -> None:
+    with pytest.raises(RendezvousError, match="expected a JSON object"):
+        Rendezvous.from_json([1, 2])
+    with pytest.raises(RendezvousError, match="'remote_port'"):
+        _rdv("req-1", remote_port=-5)
+
+
+def test_rendezvous_ignores_unknown_keys() -> None:
+    obj = _rdv("req-1").to_json() | {"future_field": [1, 2]}
+    assert Rendezvous.from_json(obj) == _rdv("req-1")
+
+
+# --------------------------------------------------------------------------- D-first flow
+
+
+def test_d_first_flow_three_prompts(proxy: ProxyServer) -> None:
+    url = proxy.url
+    prompts = ["alpha", "beta gamma", "délta"]
+    decode_got: list[list[dict[str, Any]]] = []
+    prefill_got: list[list[dict[str, Any]]] = []
+    errors: list[BaseException] = []
+    two_posted = threading.Event()
+    go = threading.Event()
+
+    def decode() -> None:
+        try:
+            items = fetch_work(url, "decode", "d0", timeout=WAIT)  # woken by submit()
+            decode_got.append(items)
+            for item in items[:2]:
+                assert post_rendezvous(item["metaserver"], _rdv(item["request_id"])) == 200
+            two_posted.set()
+            assert go.wait(WAIT)
+            assert post_rendezvous(items[2]["metaserver"], _rdv(items[2]["request_id"])) == 200
+            for item in items:
+                report_finished(url, item["request_id"], ok=True, role="decode")
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+            two_posted.set()
+
+    def prefill() -> None:
+        try:
+            jobs = fetch_work(url, "prefill", "p0", timeout=WAIT)
+            prefill_got.append(jobs)
+            for job in jobs:
+                for req in job["requests"]:
+                    report_finished(url, req["request_id"], ok=True, role="prefill")
+        except BaseException as exc:
+            errors.append(exc)
+
+    d_thread = threading.Thread(target=decode)
+    d_thread.start()
+    job_id = proxy.submit(prompts, "d0", "p0")
+    ids = [f"{job_id}-{i}" for i in range(3)]
+    assert two_posted.wait(WAIT)
+    assert not errors, errors
+
+    # Decode saw one sub-request per prompt (C3), each with the metaserver to post to.
+    [items] = decode_got
+    assert [i["request_id"] for i in items] == ids
+    assert [i["prompt"] for i in items] == prompts
+    assert [i["num_tokens"] for i in items] == [5, 10, 6]  # UTF-8 bytes
+    assert {i["metaserver"] for i in items} == {proxy.metaserver_url}
+    assert items[0]["kv_transfer_params"]["do_remote_prefill"] is True
+
+    # Two of three posted: nothing for Prefill yet.
+    status = proxy.status(job_id)
+    assert [r["state"] for r in status["requests"]] == ["rendezvous", "rendezvous", "at_decode"]
+    assert status["dispatched"] is False
+    assert fetch_work(url, "prefill", "p0", timeout=0) == []
+
+    p_thread = threading.Thread(target=prefill)
+    p_thread.start()
+    go.set()
+    d_thread.join(WAIT)
+    p_thread.join(WAIT)
+    assert not d_thread.is_alive() and not p_thread.is_alive()
+    assert not errors, errors
+
+    [[job]] = prefill_got
+    assert job["job"] == job_id
+    assert job["prompts"] == prompts
+    assert (job["max_completion_tokens"], job["min_tokens"]) == (1, 1)
+    assert [r["request_id"] for r in job["requests"]] == ids
+    for req in job["requests"]:
+        assert Rendezvous.from_json(req["kv_transfer_params"]) == _rdv(req["request_id"])
+
+    # A repeated rendezvous is idempotent: 200, and no second dispatch.
+    assert post_rendezvous(proxy.metaserver_url, _rdv(ids[1])) == 200
+    assert fetch_work(url, "prefill", "p0", timeout=0) == []
+    # A different one after dispatch is refused (Prefill already has the first).
+    assert post_rendezvous(proxy.metaserver_url, _rdv(ids[1], remote_port=31000)) == 409
+
+    done = proxy.wait_job(job_id, WAIT)
+    assert done["done"] is True and done["ok"] is True
+    assert [r["state"] for r in done["requests"]] == ["done"] * 3
+    http_status, body = _raw(url, "GET", f"/v1/status?job={job_id}")
+    assert http_status == 200 and body == done
+
+
+def test_single_prompt_failure_and_finished_checks(proxy: ProxyServer) -> None:
+    url = proxy.url
+    job_id = proxy.submit("hello", "d1", "p1", job_id="job-x")
+    [item] = fetch_work(url, "decode", "d1", timeout=0)
+    assert item["request_id"] == "job-x-0"
+    assert fetch_work(url, "decode", "d1", timeout=0) == []  # handed out once
+
+    with pytest.raises(TimeoutError, match="job-x"):
+        proxy.wait_job(job_id, 0)
+    with pytest.raises(ProxyRequestError) as info:
+        report_finished(url, "job-x-0", ok=True, role="prefill")
+    assert info.value.status == 409 and "never dispatched" in str(info.value)
+
+    report_finished(url, "job-x-0", ok=False, role="decode", error="no blocks")
+    report_finished(url, "job-x-0", ok=False, role="decode")  # duplicate, same outcome
+    with pytest.raises(ProxyRequestError) as info:
+        report_finished(url, "job-x-0", ok=True, role="decode")
+    assert info.value.status == 409
+    status = proxy.wait_job(job_id, WAIT)
+    assert status["done"] is True and status["ok"] is False
+    assert status["requests"][0]["state"] == "failed"
+    assert status["requests"][0]["errors"] == {"decode": "no blocks"}
+
+    with pytest.raises(ValueError, match="already in use"):
+        proxy.submit("again", "d1", "p1", job_id="job-x")
+    with pytest.raises(ValueError, match="prompt 1"):
+        proxy.submit(["ok", ""], "d1", "p1")
+    with pytest.raises(ValueError, match="not be empty"):
+        proxy.submit([], "d1", "p1")
+    with pytest.raises(KeyError, match="unknown job"):
+        proxy.wait_job("nope", 0)
+
+
+def test_vllm_style_post_without_cached_tokens_reaches_prefill_as_zero(
+    proxy: ProxyServer,
+) -> None:
+    job_id = proxy.submit(["a"], "d0", "p0", job_id="job-v")
+    body = _rdv(f"{job_id}-0").to_json()
+    del body["remote_cached_tokens"]
+    del body["do_remote_prefill"]
+    status, reply = _raw(
+        proxy.url,
+        "POST",
+        "/v1/metaserver",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert (status, reply) == (200, {"status": "ok"})
+    [job] = fetch_work(proxy.url, "prefill", "p0", timeout=0)
+    params = job["requests"][0]["kv_transfer_params"]
+    assert params["remote_cached_tokens"] == 0
+    assert Rendezvous.from_json(params).remote_cached_tokens == 0
+
+
+# --------------------------------------------------------------------------- bad HTTP input
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[]", "expected a JSON object"),
+        (
+            b'{"request_id": "r", "remote_engine_id": "e", "remote_host": "h", '
+            b'"remote_port": "abc", "remote_tp_size": 1}',
+            "'remote_port'",
+        ),
+        (b'{"remote_engine_id": "e"}', "'request_id'"),
+    ],
+)
+def test_metaserver_bad_body_is_400(proxy: ProxyServer, body: bytes, needle: str) -> None:
+    status, reply = _raw(proxy.url, "POST", "/v1/metaserver", body)
+    assert status == 400
+    assert needle in reply["error"]
+
+
+def test_bad_http_requests(proxy: ProxyServer) -> None:
+    url = proxy.url
+    big = {"Content-Length": str(2 * 1024 * 1024)}
+    assert _raw(url, "POST", "/v1/metaserver", b"{}", big)[0] == 413
+    status, reply = _raw(
+        url, "POST", "/v1/metaserver", json.dumps(_rdv("ghost-0").to_json()).encode()
+    )
+    assert status == 404 and "ghost-0" in reply["error"]
+    assert _raw(url, "GET", "/v1/decode_work?timeout=0")[0] == 400
+    status, reply = _raw(url, "GET", "/v1/decode_work?instance=d0&timeout=abc")
+    assert status == 400 and "timeout" in reply["error"]
+    assert _raw(url, "GET", "/v1/prefill_work?instance=p0&timeout=-1")[0] == 400
+    assert _raw(url, "GET", "/v1/status?job=nope")[0] == 404
+    assert _raw(url, "GET", "/v1/nothing")[0] == 404
+    assert _raw(url, "POST", "/v1/nothing", b"{}")[0] == 404
+    status, reply = _raw(url, "POST", "/v1/finished", b'{"request_id": "r", "ok": 1}')
+    assert status == 400 and "'ok'" in reply["error"]
+    status, reply = _raw(
+        url, "POST", "/v1/finished", b'{"request_id": "r", "ok": true, "role": "judge"}'
+    )
+    assert status == 400 and "'role'" in reply["error"]
+    assert _raw(url, "GET", "/v1/health") == (200, {"status": "ok"})
+
+
+def test_long_poll_times_out_empty_and_close_is_bounded() -> None:
+    server = ProxyServer()
+    url = server.start()
+    assert fetch_work(url, "decode", "idle", timeout=0.1) == []
+    outcome: list[object] = []
+
+    def poll() -> None:
+        try:
+            outcome.append(fetch_work(url, "prefill", "idle", timeout=30))
+        except (ProxyRequestError, OSError) as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    start = time.monotonic()
+    server.close()
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert time.monotonic() - start < 5.0
+    # Either the poll was waiting and got 503, or it arrived after close and was refused;
+    # it never got a work list.
+    [result] = outcome
+    assert not isinstance(result, list)
+    if isinstance(result, ProxyRequestError):
+        assert result.status == 503
+    server.close()  # idempotent
+
+
+# --------------------------------------------------------------------------- F1
+
+
+def test_f1_retries_refused_then_succeeds_when_server_comes_up() -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/v1/metaserver"
+    servers: list[ProxyServer] = []
+    delays: list[float] = []
+
+    def sleep(delay: float) -> None:
+        delays.append(delay)
+        if not servers:  # the proxy comes up while Decode backs off
+            server = ProxyServer(port=port)
+            server.start()
+            server.submit("x", "d0", "p0", job_id="job-f1")
+            servers.append(server)
+
+    try:
+        assert post_rendezvous(url, _rdv("job-f1-0"), sleep=sleep) == 200
+        assert delays == [0.05]
+        assert servers[0].status("job-f1")["requests"][0]["rendezvous"] is True
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_f1_gives_up_after_retries_with_exponential_backoff() -> None:
+    url = f"http://127.0.0.1:{_free_port()}/v1/metaserver"
+    delays: list[float] = []
+    with pytest.raises(MetaserverUnreachable, match="after 4 attempt") as info:
+        post_rendezvous(url, _rdv("r-0"), retries=3, backoff=0.5, sleep=delays.append)
+    assert delays == [0.5, 1.0, 2.0]
+    assert info.value.attempts == 4
+    assert isinstance(info.value, ConnectionError)
+
+
+def test_f1_timeout_is_a_transport_error() -> None:
+    # A listener that never accepts: the connect completes in the backlog, the response
+    # never comes, so each attempt ends in a timeout.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/metaserver"
+        delays: list[float] = []
+        with pytest.raises(MetaserverUnreachable, match="after 2 attempt"):
+            post_rendezvous(url, _rdv("r-0"), retries=1, timeout=0.2, sleep=delays.append)
+        assert delays == [0.05]
+
+
+def test_f1_http_error_response_counts_as_delivered() -> None:
+    hits: list[bytes] = []
+
+    class Old(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            hits.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Old)
+    t = threading.Thread(target=server.serve_forever)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver"
+        slept: list[float] = []
+        assert post_rendezvous(url, _rdv("r-0"), sleep=slept.append) == 500
+        assert slept == []
+        assert len(hits) == 1
+        assert json.loads(hits[0]) == _rdv("r-0").to_json()
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join(WAIT)
+
+
+def test_post_rendezvous_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="http"):
+        post_rendezvous("ftp://x/v1/metaserver", _rdv("r-0"))
+    with pytest.raises(TypeError, match="Rendezvous"):
+        post_rendezvous("http://127.0.0.1:1/", {"request_id": "r"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="retries"):
+        post_rendezvous("http://127.0.0.1:1/", _rdv("r-0"), retries=-1)
