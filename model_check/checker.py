@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import engine as conjecture_engine
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -28,18 +29,23 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from sfa_rd2h.model_check.cluster import Cluster, RequestSpec, Scope
+from sfa_rd2h.model_check.cluster import FAULT_KINDS, Cluster, RequestSpec, Scope
 from sfa_rd2h.runtime.decode_core import DecodeCore
 from sfa_rd2h.runtime.prefill_core import PrefillCore
 
 TOPOLOGIES = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
+OPS_PER_RULE = 40
+# Progress first, faults last: shrinking moves choices toward lower indices, so minimal
+# counterexamples prefer ordinary progress over faults.
+KIND_ORDER = ("prefill", "to_decode", "read", "to_prefill", "rendezvous", "register", "agree",
+              "tick", *FAULT_KINDS)
 
 settings.register_profile(
-    "checker", deadline=None, stateful_step_count=80, max_examples=40, database=None,
+    "checker", deadline=None, stateful_step_count=4, max_examples=40, database=None,
     suppress_health_check=list(HealthCheck), derandomize=False, print_blob=False,
     report_multiple_bugs=False)
 settings.register_profile(
-    "fuzz", deadline=None, stateful_step_count=200, max_examples=2000, database=None,
+    "fuzz", deadline=None, stateful_step_count=10, max_examples=2000, database=None,
     suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
 
 
@@ -55,6 +61,7 @@ def request_specs(draw: st.DrawFn, group: int) -> RequestSpec:
 @st.composite
 def scopes(draw: st.DrawFn) -> Scope:
     p_tp, d_tp = draw(st.sampled_from(TOPOLOGIES))
+    fault_kinds = draw(st.frozensets(st.sampled_from(FAULT_KINDS), min_size=1, max_size=2))
     n_layers = draw(st.integers(2, 3))
     n_slots = draw(st.integers(1, n_layers - 1))
     indexer = draw(st.booleans())
@@ -70,7 +77,9 @@ def scopes(draw: st.DrawFn) -> Scope:
         layout_mismatch_layer=draw(st.integers(0, n_layers - 1)) if special == "mismatch"
         else None,
         legacy_rank=1 if special == "legacy" and ratio >= 2 else None,
+        d_instances=draw(st.integers(1, 2)),
         max_faults=draw(st.integers(0, 3)),
+        fault_kinds=fault_kinds,
     )
 
 
@@ -80,11 +89,15 @@ class ClusterMachine(RuleBasedStateMachine):
     prefill_cls: type[PrefillCore] = PrefillCore
     decode_cls: type[DecodeCore] = DecodeCore
     trace: list[str] = []
+    ops: list[tuple] = []
+    scope: Scope | None = None
     first_failure: float | None = None
 
     @initialize(scope=scopes())
     def deploy(self, scope: Scope) -> None:
         type(self).trace = self.trace = [f"deploy {describe_scope(scope)}"]
+        type(self).ops = self.ops = []
+        type(self).scope = scope
         self._guard(lambda: setattr(self, "cluster",
                                     Cluster(scope, self.prefill_cls, self.decode_cls)), "deploy")
 
@@ -100,30 +113,40 @@ class ClusterMachine(RuleBasedStateMachine):
             self.trace.append(out)
 
     def _do(self, op: tuple) -> None:
+        self.ops.append(op)
         self._guard(lambda: self.cluster.apply(op), f"{op[0]}{op[1:]}")
 
-    @precondition(lambda self: hasattr(self, "cluster") and self.cluster.progress_pending())
+    @precondition(lambda self: hasattr(self, "cluster"))
     @rule(data=st.data())
-    def progress(self, data: st.DataObject) -> None:
-        self._do(data.draw(st.sampled_from(self.cluster.enabled(faults=False)), label="op"))
+    def run_operations(self, data: st.DataObject) -> None:
+        """Apply up to ``OPS_PER_RULE`` operations, each drawn by kind first so that
+        deliveries, computation, scheduling, timers and each fault kind get their turn.
 
-    @precondition(lambda self: hasattr(self, "cluster") and len(self.cluster.enabled())
-                  > len(self.cluster.enabled(faults=False)))
-    @rule(data=st.data())
-    def fault(self, data: st.DataObject) -> None:
-        progress = set(self.cluster.enabled(faults=False))
-        faults = [op for op in self.cluster.enabled() if op not in progress]
-        self._do(data.draw(st.sampled_from(faults), label="fault"))
-
-    @precondition(lambda self: hasattr(self, "cluster") and not self.cluster.enabled())
-    @rule()
-    def idle(self) -> None:
-        """Everything settled: hypothesis needs a rule to run until the example ends."""
+        Drawing plain integers here instead of one hypothesis rule per operation keeps the
+        per-step cost of the checker close to the cost of the cores themselves.
+        """
+        for _ in range(OPS_PER_RULE):
+            by_kind = self.cluster.enabled_by_kind()
+            if not by_kind:
+                return
+            kinds = sorted(by_kind, key=KIND_ORDER.index)
+            ops = by_kind[kinds[_pick(data, len(kinds))]]
+            op = ops[_pick(data, len(ops))]
+            self._do(op)
+            if not self.cluster.progress_pending():
+                self._guard(self.cluster.check_quiescent, "network drained, no timer pending:")
 
     @invariant()
     def nothing_hangs(self) -> None:
         if hasattr(self, "cluster") and not self.cluster.progress_pending():
             self._guard(self.cluster.check_quiescent, "network drained, no timer pending:")
+
+
+def _pick(data: st.DataObject, n: int) -> int:
+    return data.draw(_INDEX[n]) if n > 1 else 0
+
+
+_INDEX = {n: st.integers(0, n - 1) for n in range(2, 256)}
 
 
 def describe_scope(s: Scope) -> str:
@@ -151,40 +174,53 @@ class CheckResult:
     first_failure: float | None = None
     counterexample: list[str] = field(default_factory=list)
     error: str = ""
+    scope: Scope | None = None
+    ops: list[tuple] = field(default_factory=list)
 
 
 def _machine_for(prefill_cls: type[PrefillCore], decode_cls: type[DecodeCore]) -> type:
     return type(f"Check_{prefill_cls.__name__}_{decode_cls.__name__}", (ClusterMachine,),
-                {"prefill_cls": prefill_cls, "decode_cls": decode_cls, "trace": [],
-                 "first_failure": None})
+                {"prefill_cls": prefill_cls, "decode_cls": decode_cls, "trace": [], "ops": [],
+                 "scope": None, "first_failure": None})
 
 
 def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCore] = PrefillCore,
               decode_cls: type[DecodeCore] = DecodeCore, batch: int = 25,
               on_progress: Callable[[float, int], None] | None = None,
-              profile: str | None = None) -> CheckResult:
-    """Run seeded batches until ``budget`` seconds pass or a counterexample appears."""
+              profile: str | None = None, shrink_seconds: float = 30.0) -> CheckResult:
+    """Run seeded batches until ``budget`` seconds pass or a counterexample appears.
+
+    Batch ``k`` uses seed ``seed_value * 1_000_003 + k``, so a run is reproducible. Shrinking
+    a counterexample is bounded by ``shrink_seconds``.
+    """
     machine = _machine_for(prefill_cls, decode_cls)
     base = settings.get_profile(profile or os.environ.get("SFA_RD2H_PROFILE", "checker"))
     start = time.perf_counter()
     examples = 0
     k = 0
-    while True:
-        conf = settings(base, max_examples=batch)
-        seeded = seed(seed_value * 1_000_003 + k)(machine)
-        try:
-            run_state_machine_as_test(seeded, settings=conf)
-        except BaseException as exc:  # noqa: BLE001 - any escape is a counterexample
-            return CheckResult(False, examples + batch, time.perf_counter() - start,
-                               (machine.first_failure - start) if machine.first_failure
-                               else None, list(machine.trace), f"{type(exc).__name__}: {exc}")
-        examples += batch
-        k += 1
-        elapsed = time.perf_counter() - start
-        if on_progress is not None:
-            on_progress(elapsed, examples)
-        if elapsed >= budget:
-            return CheckResult(True, examples, elapsed)
+    saved = conjecture_engine.MAX_SHRINKING_SECONDS
+    conjecture_engine.MAX_SHRINKING_SECONDS = max(1, int(shrink_seconds))
+    try:
+        while True:
+            conf = settings(base, max_examples=batch)
+            seeded = seed(seed_value * 1_000_003 + k)(machine)
+            try:
+                run_state_machine_as_test(seeded, settings=conf)
+            except BaseException as exc:  # noqa: BLE001 - any escape is a counterexample
+                first = machine.first_failure
+                return CheckResult(False, examples + batch, time.perf_counter() - start,
+                                   (first - start) if first else None, list(machine.trace),
+                                   f"{type(exc).__name__}: {exc}", machine.scope,
+                                   list(machine.ops))
+            examples += batch
+            k += 1
+            elapsed = time.perf_counter() - start
+            if on_progress is not None:
+                on_progress(elapsed, examples)
+            if elapsed >= budget:
+                return CheckResult(True, examples, elapsed)
+    finally:
+        conjecture_engine.MAX_SHRINKING_SECONDS = saved
 
 
 def format_counterexample(result: CheckResult) -> str:

@@ -35,6 +35,7 @@ MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tens
 P_BASE, D_BASE = 0x1000, 0x100000
 D_PORT = 7000
 FOREVER = 1e9
+FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode")
 
 Op = tuple
 
@@ -62,6 +63,10 @@ class Scope:
     requests: tuple[RequestSpec, ...] = (RequestSpec(6, (6,)), RequestSpec(4, (4,)))
     layout_mismatch_layer: int | None = None  # Decode registered another block size (L1)
     legacy_rank: int | None = None  # a Prefill rank running a pre-unequal-TP build (W4, T1)
+    d_instances: int = 1  # Decode instances; request i goes to instance i % d_instances
+    # Swarm testing: each run allows a few fault kinds, which finds bugs that need one
+    # kind repeated far sooner than spreading the fault budget over all of them.
+    fault_kinds: frozenset[str] = frozenset(FAULT_KINDS)
     max_faults: int = 3  # fault operations allowed in one run; 0 = lossless and on time
 
     def tensor_bytes(self) -> tuple[int, ...]:
@@ -125,36 +130,42 @@ class Cluster:
         self.mapping = tp_mapping(scope.p_tp, scope.d_tp)
         self.tbytes = scope.tensor_bytes()
         self.n_req = len(scope.requests)
+        self.n_d = scope.d_instances * scope.d_tp
         self.ext = [f"req-{i}" for i in range(self.n_req)]
         self.p_blocks = sum(r.blocks for r in scope.requests) + 1
         self.d_blocks = self.p_blocks + 1
         self._layout_prefill()
         self._layout_decode()
         self.prefill = [self._new_prefill(p) for p in range(scope.p_tp)]
-        self.decode = [self._new_decode(d) for d in range(scope.d_tp)]
+        # Decode ranks are numbered globally: g = instance * d_tp + tp_rank.
+        self.decode = [self._new_decode(g) for g in range(self.n_d)]
         self.to_d: dict[tuple[int, int], deque[bytes]] = {}
         self.to_p: dict[tuple[int, int], deque[bytes]] = {}
         for p in range(scope.p_tp):
-            d = self.mapping.d_rank(p)
-            self.to_d[(p, d)] = deque()
-            self.to_p[(p, d)] = deque()
-        self.reads: list[deque[IssueRead]] = [deque() for _ in range(scope.d_tp)]
+            for inst in range(scope.d_instances):
+                g = inst * scope.d_tp + self.mapping.d_rank(p)
+                self.to_d[(p, g)] = deque()
+                self.to_p[(p, g)] = deque()
+        self.reads: list[deque[IssueRead]] = [deque() for _ in range(self.n_d)]
         self.schedule = self._schedule()
         self.p_pos = [(0, 0, "begin")] * scope.p_tp  # (step, layer, phase) per Prefill rank
         self.p_started: list[set[int]] = [set() for _ in range(scope.p_tp)]
         self.rendezvous: set[int] = set()
-        self.registered: list[set[int]] = [set() for _ in range(scope.d_tp)]
+        self.registered: list[set[int]] = [set() for _ in range(self.n_d)]
         self.lost: set[int] = set()  # requests that died with a Decode restart
         self.outcome: dict[int, bool] = {}
-        self.fail_next_read = [False] * scope.d_tp
+        self.fail_next_read = [False] * self.n_d
         self.faults = 0
         self.timer_fired = False
         self.p_errors = 0
-        self.d_now = [0.0] * scope.d_tp
+        self.d_now = [0.0] * self.n_d
         self.ghost = _Ghost()
         self._ready_in_hand: tuple[int, wire.ReadReadyBatch] | None = None
-        self.block_owner = np.full(self.d_blocks, "", dtype=object)  # main pool, shared
-        self.idx_owner = [np.full(self.d_blocks, "", dtype=object) for _ in range(scope.d_tp)]
+        self._by_kind: dict[str, list[Op]] | None = None
+        # who owns each destination block: main pool per instance, indexer copy per rank
+        self.block_owner = [np.full(self.d_blocks, "", dtype=object)
+                            for _ in range(scope.d_instances)]
+        self.idx_owner = [np.full(self.d_blocks, "", dtype=object) for _ in range(self.n_d)]
         for p, core in enumerate(self.prefill):
             inv.check_s2_gates_by_address(
                 [core.gates_of(layer) for layer in range(scope.n_layers)],
@@ -190,41 +201,60 @@ class Cluster:
 
     def _layout_decode(self) -> None:
         s = self.scope
-        self.d_regions: list[tuple[int, int, str, int, int, int]] = []  # start,end,kind,l,t,rank
+        # start, end, kind, layer, tensor, owner (instance for main, global rank for indexer)
+        self.d_regions: list[tuple[int, int, str, int, int, int]] = []
         addr = D_BASE
-        self.d_dest: list[dict[str, DestLayout]] = [{} for _ in range(s.d_tp)]
-        main_base: dict[tuple[int, int], int] = {}
-        for layer in range(s.n_layers):
-            for t in range(2):
-                nbytes = self._d_bytes(layer, t)
-                main_base[(layer, t)] = addr
-                self.d_regions.append((addr, addr + self.d_blocks * nbytes, "main", layer, t, -1))
-                addr += self.d_blocks * nbytes
-        for d in range(s.d_tp):
+        self.d_dest: list[dict[str, DestLayout]] = [{} for _ in range(self.n_d)]
+        n_t = len(self.tbytes)
+        for inst in range(s.d_instances):
+            main_base: dict[tuple[int, int], int] = {}
             for layer in range(s.n_layers):
-                bases = [main_base[(layer, 0)], main_base[(layer, 1)]]
-                for t in range(2, len(self.tbytes)):
+                for t in range(2):
                     nbytes = self._d_bytes(layer, t)
-                    bases.append(addr)
+                    main_base[(layer, t)] = addr
                     self.d_regions.append(
-                        (addr, addr + self.d_blocks * nbytes, "indexer", layer, t, d))
+                        (addr, addr + self.d_blocks * nbytes, "main", layer, t, inst))
                     addr += self.d_blocks * nbytes
-                self.d_dest[d][f"layer.{layer}"] = DestLayout(
-                    tuple(bases), tuple(self._d_bytes(layer, t) for t in range(len(self.tbytes))),
-                    (self.d_blocks,) * len(self.tbytes), 2, s.indexer,
-                    s.indexer and s.scale)
+            for g in self.ranks_of(inst):
+                for layer in range(s.n_layers):
+                    bases = [main_base[(layer, 0)], main_base[(layer, 1)]]
+                    for t in range(2, n_t):
+                        nbytes = self._d_bytes(layer, t)
+                        bases.append(addr)
+                        self.d_regions.append(
+                            (addr, addr + self.d_blocks * nbytes, "indexer", layer, t, g))
+                        addr += self.d_blocks * nbytes
+                    self.d_dest[g][f"layer.{layer}"] = DestLayout(
+                        tuple(bases), tuple(self._d_bytes(layer, t) for t in range(n_t)),
+                        (self.d_blocks,) * n_t, 2, s.indexer, s.indexer and s.scale)
         self.d_mem = np.zeros(addr, dtype=np.uint8)
         self.region_starts = np.array([r[0] for r in self.d_regions], dtype=np.int64)
-        # Destination ids: the main pool is shared by the Decode ranks (one list per request);
-        # each rank's indexer copy is rank-local (its own list).
+        # Destination ids: the main pool is shared by an instance's ranks (one list per
+        # request); each rank's indexer copy is rank-local (its own list).
         pool = np.arange(1, self.d_blocks)
-        self.d_main_ids, self.d_idx_ids = [], [[] for _ in range(s.d_tp)]
-        start = 0
-        for r in s.requests:
-            self.d_main_ids.append(pool[start:start + r.blocks])
-            for d in range(s.d_tp):
-                self.d_idx_ids[d].append(np.roll(pool, d)[start:start + r.blocks])
-            start += r.blocks
+        self.d_main_ids: list[np.ndarray] = []
+        self.d_idx_ids: list[dict[int, np.ndarray]] = []
+        start = [0] * s.d_instances
+        for i, r in enumerate(s.requests):
+            inst = self.instance_of(i)
+            lo = start[inst]
+            start[inst] += r.blocks
+            self.d_main_ids.append(pool[lo:lo + r.blocks])
+            self.d_idx_ids.append({g: np.roll(pool, g)[lo:lo + r.blocks]
+                                   for g in self.ranks_of(inst)})
+
+    def instance_of(self, i: int) -> int:
+        return i % self.scope.d_instances
+
+    def ranks_of(self, inst: int) -> range:
+        return range(inst * self.scope.d_tp, (inst + 1) * self.scope.d_tp)
+
+    def _endpoint(self, g: int) -> str:
+        return f"d{g // self.scope.d_tp}:{D_PORT + g % self.scope.d_tp}"
+
+    def _rank_of_endpoint(self, endpoint: str) -> int:
+        host, port = endpoint.split(":")
+        return int(host[1:]) * self.scope.d_tp + int(port) - D_PORT
 
     def _d_bytes(self, layer: int, tensor: int) -> int:
         nbytes = self.tbytes[tensor]
@@ -236,9 +266,9 @@ class Cluster:
         cls = LegacyPrefillCore if p == self.scope.legacy_rank else self.prefill_cls
         return cls(p, self.mapping, f"p{p}:1", self.layer_meta, block_size=BLOCK_TOKENS)
 
-    def _new_decode(self, d: int) -> DecodeCore:
-        return self.decode_cls(d, self.scope.d_tp, self.d_dest[d], destination_wait=10.0,
-                               request_deadline=FOREVER)
+    def _new_decode(self, g: int) -> DecodeCore:
+        return self.decode_cls(g % self.scope.d_tp, self.scope.d_tp, self.d_dest[g],
+                               destination_wait=10.0, request_deadline=FOREVER)
 
     def _schedule(self) -> list[list[tuple[int, int, bool]]]:
         """Chunked prefill: step k runs chunk k of every request that has one (C2)."""
@@ -250,7 +280,8 @@ class Cluster:
 
     def _params(self, i: int) -> dict:
         r = self.scope.requests[i]
-        params = {"remote_host": "d", "remote_port": D_PORT, "remote_tp_size": self.scope.d_tp,
+        params = {"remote_host": f"d{self.instance_of(i)}", "remote_port": D_PORT,
+                  "remote_tp_size": self.scope.d_tp,
                   "remote_engine_id": "decode-0", "do_remote_decode": True}
         if r.cached_tokens is not None:
             params["remote_cached_tokens"] = r.cached_tokens
@@ -265,7 +296,7 @@ class Cluster:
                    if r.group == group)
 
     # ------------------------------------------------------------------ operations
-    def enabled(self, faults: bool = True) -> list[Op]:
+    def enabled(self, faults: bool = True, timers: bool = True) -> list[Op]:
         ops: list[Op] = []
         s = self.scope
         for p in range(s.p_tp):
@@ -277,39 +308,50 @@ class Cluster:
         for (p, d), q in self.to_p.items():
             if q:
                 ops.append(("to_prefill", p, d))
-        for d in range(s.d_tp):
-            if self.reads[d]:
-                ops.append(("read", d))
+        for g in range(self.n_d):
+            if self.reads[g]:
+                ops.append(("read", g))
         for i in range(self.n_req):
             if i not in self.rendezvous:
                 ops.append(("rendezvous", i))
             elif i not in self.lost and i not in self.outcome:
-                for d in range(s.d_tp):
-                    if i not in self.registered[d]:
-                        ops.append(("register", d, i))
-                if all(i in reg for reg in self.registered) and all(
-                        core.local_outcome(self.ext[i]) is not None for core in self.decode):
+                ranks = self.ranks_of(self.instance_of(i))
+                for g in ranks:
+                    if i not in self.registered[g]:
+                        ops.append(("register", g, i))
+                if all(i in self.registered[g] for g in ranks) and all(
+                        self.decode[g].local_outcome(self.ext[i]) is not None for g in ranks):
                     ops.append(("agree", i))
         progress = bool(ops)
         for d, core in enumerate(self.decode):
-            if core._waiting or (not progress and core.next_deadline() is not None):
+            if timers and (core.has_waiting_reads() or (not progress and
+                                                        core.next_deadline() is not None)):
                 ops.append(("tick", d))
         if faults and self.faults < s.max_faults:
-            for d in range(s.d_tp):
-                if not self.fail_next_read[d]:
-                    ops.append(("fail_read", d))
-            for key, q in self.to_p.items():
-                if q:
-                    ops.append(("dup_reply", *key))
-            for key in self.ghost.last_final:
-                ops.append(("replay_final", *key))
-            for key in self.to_d:
-                ops.append(("garbage", *key))
-            ops.append(("restart_decode",))
+            kinds = s.fault_kinds
+            if "fail_read" in kinds:
+                ops += [("fail_read", g) for g in range(self.n_d) if not self.fail_next_read[g]]
+            if "dup_reply" in kinds:
+                ops += [("dup_reply", *key) for key, q in self.to_p.items() if q]
+            if "replay_final" in kinds:
+                ops += [("replay_final", *key) for key in self.ghost.last_final]
+            if "garbage" in kinds:
+                ops += [("garbage", *key) for key in self.to_d]
+            if "restart_decode" in kinds:
+                ops += [("restart_decode", inst) for inst in range(s.d_instances)]
         return ops
+
+    def enabled_by_kind(self) -> dict[str, list[Op]]:
+        """``enabled()`` grouped by operation kind, cached until the next ``apply``."""
+        if self._by_kind is None:
+            self._by_kind = {}
+            for op in self.enabled():
+                self._by_kind.setdefault(op[0], []).append(op)
+        return self._by_kind
 
     def apply(self, op: Op) -> str:
         """Perform one operation; return a one-line description for counterexamples."""
+        self._by_kind = None
         kind = op[0]
         if kind in ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode"):
             self.faults += 1
@@ -364,10 +406,11 @@ class Cluster:
     def _scatter(self, p: int, step: int, layer: int) -> None:
         mem = self.p_mem[p]
         base = self.p_tensor_base[layer % self.scope.n_slots]
-        for i, tokens, final in self.schedule[step]:
-            req = self.prefill[p].requests.get(self.ext[i])
-            lo = req.chunk[0] if req is not None and req.chunk else 0
-            hi = -(-tokens // BLOCK_TOKENS)
+        for i, tokens, _final in self.schedule[step]:
+            spec = self.scope.requests[i]
+            # Blocks completed before this chunk (or cached on Decode) are not rewritten.
+            done = spec.chunks[step - 1] if step else (spec.cached_tokens or 0)
+            lo, hi = done // BLOCK_TOKENS, -(-tokens // BLOCK_TOKENS)
             for pos in range(lo, hi):
                 for t, nbytes in enumerate(self.tbytes):
                     ids = self.p_main_ids[i] if t < 2 else self.p_idx_ids[i]
@@ -377,7 +420,7 @@ class Cluster:
     def _emit_prefill(self, p: int, actions: list, landed: bool) -> None:
         for a in actions:
             assert isinstance(a, Send)
-            d = int(a.peer.split(":")[1]) - D_PORT
+            d = self._rank_of_endpoint(a.peer)
             if wire.layer_of(a.payload) is not None:
                 msg = wire.decode(a.payload)
                 assert isinstance(msg, wire.ReadReadyBatch)
@@ -427,7 +470,7 @@ class Cluster:
             if readers is not None and readers[key] > 0:
                 readers[key] -= 1
         try:
-            actions = self.prefill[p].on_frame(f"d:{D_PORT + d}", payload, 0.0)
+            actions = self.prefill[p].on_frame(self._endpoint(d), payload, 0.0)
         except ProtocolError as exc:
             return desc + f" (rejected: {exc})"
         self._emit_prefill(p, actions, landed=True)
@@ -476,7 +519,7 @@ class Cluster:
                 (peer + n > src.size).any():
             return -2
         main_written = 0
-        for lo, pe, ln in zip(local.tolist(), peer.tolist(), n.tolist(), strict=True):
+        for lo, ln in zip(local.tolist(), n.tolist(), strict=True):
             owners, is_main = self._owners(lo + D_BASE, ln, d)
             inv.check_r5_no_write_after_terminal(owners, f"D{d} read {req.read_id}")
             main_written += len(owners) if is_main else 0
@@ -488,69 +531,71 @@ class Cluster:
 
     def _owners(self, addr: int, length: int, d: int) -> tuple[list[str | None], bool]:
         k = int(np.searchsorted(self.region_starts, addr, side="right")) - 1
-        start, end, kind, _layer, tensor, rank = self.d_regions[k]
-        nbytes = self._d_bytes(_layer, tensor)
+        start, end, kind, layer, tensor, owner = self.d_regions[k]
+        nbytes = self._d_bytes(layer, tensor)
         first = (addr - start) // nbytes
         last = (min(addr + length, end) - 1 - start) // nbytes
-        table = self.block_owner if kind == "main" else self.idx_owner[rank]
+        table = self.block_owner[owner] if kind == "main" else self.idx_owner[owner]
         owners = [table[b] or None for b in range(first, last + 1)]
         return owners, kind == "main"
 
     # Decode scheduler ----------------------------------------------------
+    def _mark_blocks(self, i: int, owner: str) -> None:
+        inst = self.instance_of(i)
+        self.block_owner[inst][self.d_main_ids[i]] = owner
+        for g, ids in self.d_idx_ids[i].items():
+            self.idx_owner[g][ids] = owner
+
     def _op_rendezvous(self, i: int) -> str:
         self.rendezvous.add(i)
-        self.block_owner[self.d_main_ids[i]] = self.ext[i]
-        for d in range(self.scope.d_tp):
-            self.idx_owner[d][self.d_idx_ids[d][i]] = self.ext[i]
-        return f"Decode allocates {self.ext[i]} and posts its rendezvous (C1)"
+        self._mark_blocks(i, self.ext[i])
+        return (f"Decode instance {self.instance_of(i)} allocates {self.ext[i]} and posts its "
+                "rendezvous (C1)")
 
-    def _op_register(self, d: int, i: int) -> str:
-        self.registered[d].add(i)
-        actions = self.decode[d].register_request(
-            self.ext[i], self.d_main_ids[i], self.d_idx_ids[d][i], self.d_now[d])
-        self._emit_decode(d, actions)
-        return f"D{d} worker registers destinations of {self.ext[i]}"
+    def _op_register(self, g: int, i: int) -> str:
+        self.registered[g].add(i)
+        actions = self.decode[g].register_request(
+            self.ext[i], self.d_main_ids[i], self.d_idx_ids[i][g], self.d_now[g])
+        self._emit_decode(g, actions)
+        return f"D{g} worker registers destinations of {self.ext[i]}"
 
     def _op_agree(self, i: int) -> str:
         ext = self.ext[i]
-        outcomes = {d: core.local_outcome(ext) for d, core in enumerate(self.decode)}
-        all_ok = all(outcomes.values())
+        ranks = self.ranks_of(self.instance_of(i))
+        all_ok = all(self.decode[g].local_outcome(ext) for g in ranks)
         finished = {}
-        for d, core in enumerate(self.decode):
-            for a in core.apply_agreement(ext, all_ok):
-                finished[d] = a.ok
+        for g in ranks:
+            for a in self.decode[g].apply_agreement(ext, all_ok):
+                finished[g] = a.ok
         inv.check_r2_ranks_agree(ext, finished)
         ok = all(finished.values())
         self.outcome[i] = ok
         if ok:
-            for d in range(self.scope.d_tp):
-                inv.check_r1_success_needs_all(ext, f"D{d}", self.ghost.ratios.get((d, ext),
-                                                                                    set()),
-                                               self.ghost.finals.get((d, ext), set()))
+            for g in ranks:
+                inv.check_r1_success_needs_all(ext, f"D{g}", self.ghost.ratios.get((g, ext), set()),
+                                               self.ghost.finals.get((g, ext), set()))
             self._check_bytes(i)
-        dead = "!" + ext
-        self.block_owner[self.d_main_ids[i]] = dead
-        for d in range(self.scope.d_tp):
-            self.idx_owner[d][self.d_idx_ids[d][i]] = dead
+        self._mark_blocks(i, "!" + ext)
         return f"Decode TP group agrees: {ext} {'succeeded' if ok else 'failed'} (R1, R2)"
 
     def _check_bytes(self, i: int) -> None:
         """Every byte of every layer of a successful request equals the Prefill bytes."""
         r = self.scope.requests[i]
         first = (r.cached_tokens or 0) // BLOCK_TOKENS
+        inst = self.instance_of(i)
         for layer in range(self.scope.n_layers):
             for t, nbytes in enumerate(self.tbytes):
                 dbytes = self._d_bytes(layer, t)
-                ranks = [-1] if t < 2 else list(range(self.scope.d_tp))
-                for d in ranks:
-                    ids = self.d_main_ids[i] if t < 2 else self.d_idx_ids[d][i]
+                owners = [inst] if t < 2 else list(self.ranks_of(inst))
+                for d in owners:
+                    ids = self.d_main_ids[i] if t < 2 else self.d_idx_ids[i][d]
                     base = next(rg[0] for rg in self.d_regions if rg[3] == layer
                                 and rg[4] == t and rg[5] == d)
                     for pos in range(first, r.blocks):
                         a = base - D_BASE + int(ids[pos]) * dbytes
                         got = self.d_mem[a:a + dbytes]
                         inv.check_data(self.ext[i], f"layer {layer} tensor {t} block {pos}"
-                                       f"{'' if d < 0 else f' on D{d}'}", got,
+                                       f"{'' if t < 2 else f' on D{d}'}", got,
                                        pattern(i, layer, pos, t, nbytes))
 
     # timers and faults ---------------------------------------------------
@@ -581,29 +626,38 @@ class Cluster:
         self.to_d[(p, d)].append(bad)
         return f"fault: a malformed READY from P{p} reaches D{d} (W5)"
 
-    def _op_restart_decode(self) -> str:
-        """The Decode instance restarts on the same ports: its requests, connections and
+    def _op_restart_decode(self, inst: int) -> str:
+        """A Decode instance restarts on the same ports: its requests, connections and
         in-flight traffic are gone; Prefill's socket monitor reports the peers lost."""
-        self.decode = [self._new_decode(d) for d in range(self.scope.d_tp)]
-        self.reads = [deque() for _ in range(self.scope.d_tp)]
+        ranks = self.ranks_of(inst)
+        for g in ranks:
+            self.decode[g] = self._new_decode(g)
+            self.reads[g].clear()
+            self.registered[g] = set()
         for i in self.rendezvous:
-            if i not in self.outcome:
+            if self.instance_of(i) == inst and i not in self.outcome:
                 self.lost.add(i)
-                self.block_owner[self.d_main_ids[i]] = "!" + self.ext[i]
-                for d in range(self.scope.d_tp):
-                    self.idx_owner[d][self.d_idx_ids[d][i]] = "!" + self.ext[i]
-        self.registered = [set() for _ in range(self.scope.d_tp)]
+                self._mark_blocks(i, "!" + self.ext[i])
         for key in self.to_d:
-            self.to_d[key].clear()
-            self.to_p[key].clear()
-            self.ghost.readys[key] = self.ghost.replies[key] = 0
-        self.ghost.meta_seen.clear()
-        self.ghost.readers.clear()
-        self.ghost.last_final.clear()
-        self.ghost.read_origin.clear()
+            if key[1] in ranks:
+                self.to_d[key].clear()
+                self.to_p[key].clear()
+                self.ghost.readys[key] = self.ghost.replies[key] = 0
+                self.ghost.meta_seen.discard(key)
+                self.ghost.last_final.pop(key, None)
+        for counter in self.ghost.readers.values():
+            for reader in [r for r in counter if self._rank_of_reader(r[0]) in ranks]:
+                del counter[reader]
+        self.ghost.read_origin = {k: v for k, v in self.ghost.read_origin.items()
+                                  if k[0] not in ranks}
         for p, core in enumerate(self.prefill):
-            core.peer_gone(f"d:{D_PORT + self.mapping.d_rank(p)}", 0.0, "decode restarted")
-        return "fault: the Decode instance restarts (S5, W1)"
+            g = inst * self.scope.d_tp + self.mapping.d_rank(p)
+            core.peer_gone(self._endpoint(g), 0.0, "decode restarted")
+        return f"fault: Decode instance {inst} restarts (S5, W1)"
+
+    @staticmethod
+    def _rank_of_reader(name: str) -> int:
+        return int(name[1:])
 
     # ------------------------------------------------------------------ quiescence
     def check_quiescent(self) -> None:
@@ -651,8 +705,9 @@ class Cluster:
         reads = tuple(tuple((r.session, r.plan.local_addrs.tobytes(), r.plan.peer_addrs.tobytes())
                             for r in q) for q in self.reads)
         return (prefill, decode, net, reads, tuple(self.p_pos), tuple(sorted(self.rendezvous)),
-                tuple(tuple(sorted(r)) for r in self.registered), tuple(sorted(self.outcome.items())),
-                self.p_mem[0].tobytes() if self.p_mem else b"", self.d_mem.tobytes())
+                tuple(tuple(sorted(r)) for r in self.registered),
+                tuple(sorted(self.outcome.items())),
+                tuple(m.tobytes() for m in self.p_mem), self.d_mem.tobytes())
 
 
 def _describe(payload: bytes) -> str:
@@ -686,3 +741,24 @@ def _kind(payload: bytes) -> bytes | None:
     except Exception:  # noqa: BLE001 - raw ACK or garbage: no kind
         return None
     return head[0] if isinstance(head, list) and head and isinstance(head[0], bytes) else None
+
+
+def scope_to_json(scope: Scope) -> dict:
+    """A JSON-able form of a scope, for pinned counterexamples."""
+    return {
+        "p_tp": scope.p_tp, "d_tp": scope.d_tp, "n_layers": scope.n_layers,
+        "n_slots": scope.n_slots, "indexer": scope.indexer, "scale": scope.scale,
+        "requests": [[r.tokens, list(r.chunks), r.cached_tokens, r.group]
+                     for r in scope.requests],
+        "layout_mismatch_layer": scope.layout_mismatch_layer,
+        "legacy_rank": scope.legacy_rank, "d_instances": scope.d_instances,
+        "max_faults": scope.max_faults, "fault_kinds": sorted(scope.fault_kinds),
+    }
+
+
+def scope_from_json(obj: dict) -> Scope:
+    fields = dict(obj)
+    fields["requests"] = tuple(RequestSpec(t, tuple(c), cached, g)
+                               for t, c, cached, g in obj["requests"])
+    fields["fault_kinds"] = frozenset(obj["fault_kinds"])
+    return Scope(**fields)

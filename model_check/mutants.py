@@ -9,7 +9,7 @@ the checker still runs it, to show it is not killed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sfa_rd2h.runtime.decode_core import DecodeCore, DecodeRequest, _Ready
@@ -228,3 +228,45 @@ BUGS: tuple[SeededBug, ...] = (
 )
 
 BY_NAME = {b.name: b for b in BUGS}
+
+
+@dataclass
+class MutantOutcome:
+    name: str
+    rules: tuple[str, ...]
+    killed: bool
+    seconds: float | None  # to the first failure, before shrinking
+    steps: int | None  # operations in the shrunk counterexample, deployment included
+    equivalent: str
+    counterexample: list[str]
+    scope: object = None
+    ops: list[tuple] | None = None
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "rules": list(self.rules), "killed": self.killed,
+                "seconds": None if self.seconds is None else round(self.seconds, 3),
+                "steps": self.steps, "equivalent": self.equivalent or None}
+
+
+def run_mutants(budget: float, seed_value: int = 0, names: list[str] | None = None,
+                on_result: Callable[[MutantOutcome], None] | None = None,
+                ) -> list[MutantOutcome]:
+    """Run the checker against every seeded bug, ``budget`` seconds each."""
+    from sfa_rd2h.model_check.checker import run_check
+
+    outcomes = []
+    for bug in BUGS:
+        if names and bug.name not in names:
+            continue
+        result = run_check(budget, seed_value, prefill_cls=bug.prefill, decode_cls=bug.decode,
+                           shrink_seconds=min(20.0, budget))
+        killed = not result.ok
+        outcome = MutantOutcome(
+            bug.name, bug.rules, killed, result.first_failure if killed else None,
+            (len(result.ops) + 1) if killed else None,
+            "" if killed else bug.equivalent, result.counterexample, result.scope,
+            result.ops if killed else None)
+        outcomes.append(outcome)
+        if on_result is not None:
+            on_result(outcome)
+    return outcomes

@@ -100,6 +100,100 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hypothesis_profile() -> str:
+    # CI runs a deterministic short profile; a nightly job sets SFA_RD2H_PROFILE=fuzz.
+    import os
+
+    return os.environ.get("SFA_RD2H_PROFILE") or ("ci" if os.environ.get("CI") else "checker")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from sfa_rd2h.model_check import checker
+
+    profile = _hypothesis_profile()
+    with tqdm(total=round(args.budget, 1), unit="s", desc="model check", leave=False,
+              disable=args.quiet, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s {postfix}") as bar:
+        def progress(elapsed: float, examples: int) -> None:
+            bar.n = min(round(elapsed, 1), bar.total)
+            bar.set_postfix_str(f"{examples} deployments")
+
+        result = checker.run_check(args.budget, args.seed, on_progress=progress, profile=profile)
+    if result.ok:
+        print(f"ok: {result.examples} deployments explored in {result.seconds:.1f}s "
+              f"(seed {args.seed}, profile {profile}); no invariant broke")
+        return 0
+    print(f"FAILED after {result.examples} deployments ({result.seconds:.1f}s, seed {args.seed})")
+    print(checker.format_counterexample(result))
+    return 1
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from sfa_rd2h.model_check import mutants
+
+    def show(o: mutants.MutantOutcome) -> None:
+        if args.json:
+            return
+        status = "killed" if o.killed else ("equivalent" if o.equivalent else "SURVIVED")
+        secs = "-" if o.seconds is None else f"{o.seconds:.2f}"
+        print(f"{o.name:30} {','.join(o.rules):10} {status:10} {secs:>7} "
+              f"{'-' if o.steps is None else o.steps:>5}", flush=True)
+        if o.equivalent:
+            print(f"{'':30} equivalent: {o.equivalent}")
+
+    if not args.json:
+        print(f"{'bug':30} {'rules':10} {'result':10} {'secs':>7} {'steps':>5}")
+    outcomes = mutants.run_mutants(args.budget, args.seed, args.only or None, on_result=show)
+    survivors = [o.name for o in outcomes if not o.killed and not o.equivalent]
+    if args.pin:
+        _pin_counterexamples(Path(args.pin), outcomes)
+    if args.json:
+        print(json.dumps([o.as_json() for o in outcomes], indent=2))
+    else:
+        times = sorted(o.seconds for o in outcomes if o.seconds is not None)
+        if times:
+            print(f"killed {len(times)}/{len(outcomes)}; median time to first failure "
+                  f"{times[len(times) // 2]:.2f}s")
+        if survivors:
+            print(f"survived: {', '.join(survivors)}")
+    return 1 if survivors else 0
+
+
+def _pin_counterexamples(path: Path, outcomes: list) -> None:
+    """Keep each killed bug's minimal counterexample as a regression test input."""
+    from sfa_rd2h.model_check.cluster import scope_to_json
+
+    entries = json.loads(path.read_text()) if path.exists() else []
+    by_name = {e["name"]: e for e in entries}
+    for o in outcomes:
+        if o.killed and o.scope is not None:
+            last = o.counterexample[-1] if o.counterexample else ""
+            error = last.split(" raised ", 1)[-1] if " raised " in last else last
+            by_name[o.name] = {"name": o.name, "scope": scope_to_json(o.scope),
+                               "ops": [list(op) for op in o.ops or []],
+                               "error": ":".join(error.split(":")[:2]).strip()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sorted(by_name.values(), key=lambda e: e["name"]), indent=1)
+                    + "\n")
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, explore
+    from sfa_rd2h.model_check.invariants import InvariantViolation
+
+    try:
+        result = explore(DEFAULT_SCOPE, max_states=args.max_states)
+    except InvariantViolation as exc:
+        print(f"FAILED: {exc}")
+        return 1
+    status = "complete" if result.complete else f"stopped at {args.max_states} states"
+    print(f"{result.states} distinct states, {result.transitions} transitions, "
+          f"{result.final_states} final state(s), depth {result.depth}, "
+          f"{result.seconds:.1f}s ({status}); every invariant held")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sfa-rd2h",
@@ -133,6 +227,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-dp-rank", type=int, default=0, help="Decode global DP rank")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("check", help="model-check the protocol cores (hypothesis, stateful)")
+    p.add_argument("--budget", type=float, default=60.0, help="seconds to explore (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first batch")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("mutants", help="run the checker against every seeded bug")
+    p.add_argument("--budget", type=float, default=30.0, help="seconds per bug (default 30)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", action="append", help="run only this bug (repeatable)")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
+    p.set_defaults(func=cmd_mutants)
+
+    p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")
+    p.add_argument("--max-states", type=int, default=None)
+    p.set_defaults(func=cmd_explore)
 
     return parser
 

@@ -204,10 +204,13 @@ class DecodeCore:
                 continue
             if req.ratio is None:
                 req.ratio = msg.tp_ratio
-            elif self._ratio_conflict(req, msg):
-                actions += self._fail_request(
-                    ext, f"T1: contributor {msg.group_member_idx} reports tp_ratio="
-                         f"{msg.tp_ratio}, request already has tp_ratio={req.ratio}")
+            elif self._ratio_conflict(req, msg) and self._requests.can(req.status,
+                                                                      "ratio_conflict"):
+                # A mixed deployment: fail the request even if it looked complete (R1, T1).
+                self._requests.fire(req.status, "ratio_conflict",
+                                    f"T1: contributor {msg.group_member_idx} reports tp_ratio="
+                                    f"{msg.tp_ratio}, request already has tp_ratio={req.ratio}")
+                actions += self._maybe_ready(req)
         if missing:
             return actions + self._await_destinations(ready, frozenset(missing), now)
         return actions + self._plan(ready, now)
@@ -365,6 +368,9 @@ class DecodeCore:
                                     f"R1: contributors incomplete after {self.request_deadline}s")
                 actions += self._maybe_ready(req)
         return actions
+
+    def has_waiting_reads(self) -> bool:
+        return bool(self._waiting)
 
     def next_deadline(self) -> float | None:
         times = [r.deadline for r in self._waiting]

@@ -162,6 +162,7 @@ ARGS = {
     "read_completed": st.tuples(st.integers(-3, 3)),
     "contributor_final": st.tuples(st.integers(0, 4), st.integers(1, 4)),
     "read_failed": st.tuples(st.text(max_size=5)),
+    "ratio_conflict": st.tuples(st.text(max_size=5)),
     "deadline_expired": st.tuples(st.text(max_size=5)),
     "tp_agreed": st.tuples(st.booleans()),
     "connect": st.just(()),

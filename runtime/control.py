@@ -1,0 +1,854 @@
+"""The control plane: ZMQ sockets and threads around the sans-IO cores.
+
+Nothing here decides anything about the protocol. The threads feed the cores events (frames,
+transfer results, device events, timer expiry, peer loss) and execute the actions the cores
+return (send a frame, run one batched read, report a request). Every call into a core is made
+under that worker's lock; actions are executed outside it, so no lock is held across socket or
+transfer I/O (principle 4). Sockets are owned by one I/O thread each (ZMQ sockets are not
+thread-safe); other threads hand work over through a queue and an inproc wake-up socket.
+
+* :class:`PrefillWorker` - one Prefill rank. One DEALER per Decode endpoint, connected lazily
+  on the first frame to it; Prefill never binds (P1). A sender thread waits for each layer's
+  device event before publishing it (C4), sends, feeds replies to the core, watches every
+  DEALER with a socket monitor so a vanished Decode fails its outstanding reads (S5), and fires
+  the core's reply timer. A connection that was lost is closed and replaced by a fresh one
+  (new identity), so the next READY is preceded by a new MF_META (W1) and no frame queued for
+  the old peer can reach the new one.
+* :class:`DecodeWorker` - one Decode rank. One ROUTER bound at ``host:port`` (P1); a reader
+  thread receives frames, answers them through the core, and runs each layer's batched read
+  synchronously (C4).
+* :class:`AgreementLoop` - the Decode TP ranks' terminal-status agreement (R1, R2) over a
+  :class:`~sfa_rd2h.runtime.tp_group.TpGroup`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from sfa_rd2h.runtime.actions import Action, IssueRead, RequestFinished, RequestReady, Send
+from sfa_rd2h.runtime.decode_core import DecodeCore
+from sfa_rd2h.runtime.engines.base import TransferEngine, TransferResult
+from sfa_rd2h.runtime.prefill_core import PrefillCore
+from sfa_rd2h.runtime.tp_group import TpGroup
+from sfa_rd2h.runtime.trace import REPLY_KINDS, Tracer, summarize
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.errors import ProtocolError, WireError
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+_RECV_BATCH = 64  # frames taken per readable event before timers and queued work run again
+
+
+class ControlPlaneError(RuntimeError):
+    """A worker cannot start, has stopped, or its I/O thread failed."""
+
+
+class BindError(ControlPlaneError):
+    """The Decode ROUTER could not bind its port (in use, bad address)."""
+
+
+class LayerSendTimeout(ControlPlaneError, TimeoutError):
+    """``wait_for_layer_send`` gave up: the slot's readers did not answer in time."""
+
+
+def wait_device_event(event: Any) -> None:
+    """Block until the layer's KV scatter has landed (C4).
+
+    ``None`` stands for a CPU write, complete when the compute thread queued it. Anything
+    else must have ``synchronize()``: ``torch.cuda.Event`` and ``torch.npu.Event`` do.
+    """
+    if event is None:
+        return
+    sync = getattr(event, "synchronize", None)
+    if sync is None:
+        raise TypeError(f"a device event needs synchronize(), got {type(event).__name__}")
+    sync()
+
+
+def _poll_ms(deadline: float | None, now: float) -> int:
+    """Poll timeout in ms until ``deadline`` (-1: wait for a socket or the wake-up)."""
+    if deadline is None:
+        return -1
+    return max(0, math.ceil((deadline - now) * 1000))
+
+
+class _Wake:
+    """An inproc PAIR: any thread rings, the I/O thread polls the other end."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ctx: zmq.Context, name: str) -> None:
+        addr = f"inproc://sfa-rd2h-wake-{name}-{os.getpid()}-{next(self._ids)}"
+        self.rx = ctx.socket(zmq.PAIR)
+        self.rx.bind(addr)
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.connect(addr)
+        self._lock = threading.Lock()  # several threads may ring; PAIR is not thread-safe
+
+    def ring(self) -> None:
+        with self._lock:
+            if self._tx.closed:
+                return
+            try:
+                self._tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the queue is full of wake-ups already: the I/O thread will wake
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close_tx(self) -> None:
+        with self._lock:
+            self._tx.close(linger=0)
+
+
+# ============================================================================ Prefill
+
+
+@dataclass
+class PrefillStats:
+    frames_sent: int = 0
+    frames_received: int = 0
+    rejected_frames: int = 0  # replies the core refused (ProtocolError) or bad framing
+    peers_lost: int = 0
+    round_trips: list[float] = field(default_factory=list)  # seconds, READY sent -> reply
+    rtt_by_layer: dict[int, list[float]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Dealer:
+    endpoint: str
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    conn: str  # identity hex: what the Decode core calls this peer
+    sent_at: dict[int, float] = field(default_factory=dict)  # layer -> READY sent
+
+
+class PrefillWorker:
+    """Threads and sockets of one Prefill rank around a :class:`PrefillCore`.
+
+    Compute-thread API, per step: ``add_request`` for new requests, ``schedule_chunk`` for
+    every request of the step, then per layer ``wait_for_layer_send`` (S1), ``begin_layer``,
+    the KV scatter, and ``layer_written(layer, event)`` with the scatter's device event
+    (``None`` on CPU). The sender thread waits for that event, never the compute thread.
+    """
+
+    def __init__(self, core: PrefillCore, *, tracer: Tracer | None = None,
+                 context: zmq.Context | None = None, clock: Clock = time.monotonic) -> None:
+        self.core = core
+        self.stats = PrefillStats()
+        self._tracer = tracer
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._tasks: deque[tuple[int, Any]] = deque()
+        self._outbox: deque[Send] = deque()
+        self._busy = False  # the sender holds a task it has not published yet
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
+        self._wake = _Wake(self._ctx, f"prefill{core.p_rank}")
+        self._dealers: dict[str, _Dealer] = {}
+        self._by_socket: dict[zmq.Socket, tuple[str, bool]] = {}  # -> (endpoint, is_monitor)
+        self._poller = zmq.Poller()
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=f"prefill{core.p_rank}-sender",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ compute thread
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise ControlPlaneError(f"prefill sender thread failed: {self._failure!r}")
+        if self._closing:
+            raise ControlPlaneError("prefill worker is closed")
+
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+        """Wait on the condition (lock held) until ``ready()``; bounded by ``timeout``."""
+        deadline = self._clock() + timeout
+        while True:
+            self._check_alive()
+            if ready():
+                return
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise LayerSendTimeout(what())
+            self._cond.wait(remaining)
+
+    def add_request(self, ext_req_id: str, kv_transfer_params: Mapping[str, Any],
+                    main_block_ids: Sequence[int], indexer_block_ids: Sequence[int]) -> str:
+        """Track a request dispatched with ``do_remote_decode`` (C2); returns its endpoint."""
+        with self._cond:
+            self._check_alive()
+            return self.core.add_request(ext_req_id, kv_transfer_params, main_block_ids,
+                                         indexer_block_ids)
+
+    def schedule_chunk(self, ext_req_id: str, computed_tokens: int, final: bool,
+                       timeout: float = 60.0) -> None:
+        """Plan this step's chunk of a request (C2).
+
+        The core builds each layer's READY from the current chunk when the layer lands, so
+        the previous step must be fully published first: this waits until the sender has
+        landed every queued layer (on CPU that is immediate).
+        """
+        with self._cond:
+            self._wait(lambda: not self._tasks and not self._busy, timeout,
+                       lambda: f"previous step still has {len(self._tasks)} layer(s) to "
+                               f"publish after {timeout}s")
+            self.core.schedule_chunk(ext_req_id, computed_tokens, final)
+
+    def chunk(self, ext_req_id: str) -> tuple[int, int] | None:
+        """Block positions ``[start, stop)`` this step computes for the request, if any."""
+        with self._cond:
+            req = self.core.requests.get(ext_req_id)
+            return None if req is None else req.chunk
+
+    def wait_for_layer_send(self, layer_idx: int, timeout: float) -> None:
+        """Block until every slot of the layer may be overwritten (S1, M1).
+
+        Raises ``LayerSendError`` if a reader of the slot's previous owner failed (S4) - the
+        failure is then observed and the slot is free again - and :class:`LayerSendTimeout`
+        if the readers did not answer within ``timeout`` seconds.
+        """
+        def pending() -> str:
+            gates = self.core.gates_of(layer_idx)
+            held = "; ".join(f"{g.key} {g.state} owner=layer {g.owner} pending "
+                             f"{sorted(g.pending)}" for g in gates)
+            return f"S1: layer {layer_idx} not writable after {timeout}s: {held}"
+
+        with self._cond:
+            self._wait(lambda: self.core.layer_writable(layer_idx), timeout, pending)
+
+    def begin_layer(self, layer_idx: int) -> None:
+        """The compute thread is about to scatter this layer's KV (S1)."""
+        with self._cond:
+            self._check_alive()
+            actions = self.core.begin_layer(layer_idx, self._clock())
+            self._outbox.extend(a for a in actions if isinstance(a, Send))
+        if actions:
+            self._wake.ring()
+
+    def layer_written(self, layer_idx: int, event: Any = None) -> None:
+        """Queue the layer's send task; the sender publishes it once ``event`` landed (C4)."""
+        with self._cond:
+            self._check_alive()
+            self._tasks.append((layer_idx, event))
+        self._wake.ring()
+
+    def drain(self, timeout: float) -> list[str]:
+        """Wait until every queued layer is published and every slot answered, then observe
+        held failures (S4). Returns their messages, one per failed layer."""
+        def settled() -> bool:
+            return not self._tasks and not self._busy and all(
+                g.state in ("free", "failed") for g in self.core.gates.values())
+
+        def what() -> str:
+            busy = {k: (g.state, sorted(g.pending)) for k, g in self.core.gates.items()
+                    if g.state not in ("free", "failed")}
+            return f"drain: {len(self._tasks)} task(s) queued, slots still busy: {busy}"
+
+        errors: list[str] = []
+        with self._cond:
+            self._wait(settled, timeout, what)
+            for layer in range(len(self.core.layer_names)):
+                try:
+                    self.core.layer_writable(layer)
+                except ProtocolError as exc:
+                    errors.append(str(exc))
+        return errors
+
+    def round_trips(self) -> list[float]:
+        with self._cond:
+            return list(self.stats.round_trips)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the sender and close every socket; the thread is joined within ``timeout``."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._wake.ring()
+        self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        self._wake.close_tx()
+        if alive:
+            # The sender is stuck in a device event; its sockets are still in use, so the
+            # context cannot be terminated under it.
+            raise ControlPlaneError(f"prefill sender thread did not stop within {timeout}s")
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> PrefillWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        self._poller.register(self._wake.rx, zmq.POLLIN)
+        try:
+            while True:
+                with self._cond:
+                    if self._closing:
+                        return
+                    task = self._tasks.popleft() if self._tasks else None
+                    self._busy = task is not None
+                    sends = list(self._outbox)
+                    self._outbox.clear()
+                    deadline = self.core.next_deadline()
+                self._execute(sends)
+                if task is not None:
+                    self._land(*task)
+                    timeout = 0  # more tasks may be queued; still service the sockets
+                else:
+                    timeout = _poll_ms(deadline, self._clock())
+                events = dict(self._poller.poll(timeout))
+                if self._wake.rx in events:
+                    self._wake.drain()
+                for sock in events:
+                    ref = self._by_socket.get(sock)
+                    if ref is None:
+                        continue  # the wake-up, or a DEALER dropped earlier in this pass
+                    endpoint, is_monitor = ref
+                    if is_monitor:
+                        self._monitor_events(endpoint)
+                    else:
+                        self._recv_replies(endpoint)
+                self._timers()
+        except BaseException as exc:  # noqa: BLE001 - reported to every API caller
+            log.exception("prefill rank %d sender thread failed", self.core.p_rank)
+            with self._cond:
+                self._failure = exc
+                self._cond.notify_all()
+        finally:
+            for endpoint in list(self._dealers):
+                self._drop(endpoint, "close")
+            self._wake.rx.close(linger=0)
+
+    def _land(self, layer_idx: int, event: Any) -> None:
+        wait_device_event(event)  # C4: never publish before the scatter landed
+        with self._cond:
+            actions = self.core.layer_landed(layer_idx, self._clock())
+            self._busy = False
+            self._cond.notify_all()
+        self._execute(actions)
+
+    def _timers(self) -> None:
+        now = self._clock()
+        with self._cond:
+            deadline = self.core.next_deadline()
+            if deadline is None or now < deadline:
+                return
+            before = {ep: e.session.state for ep, e in self.core.endpoints.items()}
+            self.core.tick(now)
+            dropped = [ep for ep, st in before.items() if st != "disconnected"
+                       and self.core.endpoints[ep].session.state == "disconnected"]
+            self._cond.notify_all()
+        for endpoint in dropped:
+            # The core gave up on this peer (reply timeout): start over on a new connection
+            # so a late reply to the old publication cannot be mistaken for a new one.
+            self.stats.peers_lost += 1
+            self._drop(endpoint, "lost")
+
+    def _connect(self, endpoint: str) -> _Dealer:
+        sock = self._ctx.socket(zmq.DEALER)
+        identity = f"p{self.core.p_rank}.{os.getpid()}.{next(self._seq)}".encode()
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sock.connect(f"tcp://{endpoint}")
+        except zmq.ZMQError:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
+        dealer = _Dealer(endpoint, sock, monitor, identity.hex())
+        self._dealers[endpoint] = dealer
+        self._by_socket[sock] = (endpoint, False)
+        self._by_socket[monitor] = (endpoint, True)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        if self._tracer is not None:
+            self._tracer.connection("open", endpoint, dealer.conn)
+        return dealer
+
+    def _drop(self, endpoint: str, why: str) -> None:
+        dealer = self._dealers.pop(endpoint, None)
+        if dealer is None:
+            return
+        for sock in (dealer.sock, dealer.monitor):
+            self._by_socket.pop(sock, None)
+            self._poller.unregister(sock)
+        dealer.sock.disable_monitor()
+        dealer.monitor.close(linger=0)
+        dealer.sock.close(linger=0)
+        if self._tracer is not None:
+            self._tracer.connection(why, endpoint, dealer.conn)
+
+    def _lose(self, endpoint: str, reason: str) -> None:
+        """The peer vanished or a send failed: the core fails its outstanding reads (S4,
+        S5) and the connection is replaced on the next frame (W1)."""
+        log.warning("prefill rank %d: %s", self.core.p_rank, reason)
+        self.stats.peers_lost += 1
+        with self._cond:
+            self.core.peer_gone(endpoint, self._clock(), reason)
+            self._cond.notify_all()
+        self._drop(endpoint, "lost")
+
+    def _execute(self, actions: Sequence[Action]) -> None:
+        lost: set[str] = set()
+        for action in actions:
+            if not isinstance(action, Send):
+                raise ControlPlaneError(f"Prefill core returned {type(action).__name__}")
+            if action.peer in lost:
+                continue  # produced for the connection that just died (its session reset)
+            dealer = self._dealers.get(action.peer)
+            try:
+                if dealer is None:
+                    dealer = self._connect(action.peer)
+                dealer.sock.send(action.payload, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                lost.add(action.peer)
+                self._lose(action.peer, f"send to {action.peer} failed: {exc}")
+                continue
+            self.stats.frames_sent += 1
+            layer = wire.layer_of(action.payload)
+            if layer is not None:
+                dealer.sent_at[layer] = self._clock()
+            if self._tracer is not None:
+                self._tracer.message("send", action.peer, action.payload, conn=dealer.conn)
+
+    def _recv_replies(self, endpoint: str) -> None:
+        for _ in range(_RECV_BATCH):
+            dealer = self._dealers.get(endpoint)
+            if dealer is None:
+                return
+            try:
+                frames = dealer.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = self._clock()
+            self.stats.frames_received += 1
+            payload = [f for f in frames if f]
+            if len(payload) != 1:
+                self.stats.rejected_frames += 1
+                log.warning("prefill rank %d: %d non-empty frames from %s, expected 1",
+                            self.core.p_rank, len(payload), endpoint)
+                continue
+            frame = payload[0]
+            if self._tracer is not None:
+                self._tracer.message("recv", endpoint, frame, conn=dealer.conn)
+            kind, layer = summarize(frame)
+            if kind in REPLY_KINDS and layer is not None:
+                sent = dealer.sent_at.pop(layer, None)
+                if sent is not None:
+                    rtt = now - sent
+                    self.stats.round_trips.append(rtt)
+                    self.stats.rtt_by_layer.setdefault(layer, []).append(rtt)
+            try:
+                with self._cond:
+                    actions = self.core.on_frame(endpoint, frame, now)
+                    self._cond.notify_all()
+            except ProtocolError as exc:
+                # The core changed nothing; the reply timeout covers a lost acknowledgement.
+                self.stats.rejected_frames += 1
+                log.warning("prefill rank %d: rejected frame from %s: %s",
+                            self.core.p_rank, endpoint, exc)
+                continue
+            self._execute(actions)
+
+    def _monitor_events(self, endpoint: str) -> None:
+        dealer = self._dealers.get(endpoint)
+        while dealer is not None:
+            try:
+                event = recv_monitor_message(dealer.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lose(endpoint, f"connection to Decode {endpoint} dropped")
+                return
+
+
+# ============================================================================ Decode
+
+
+@dataclass
+class DecodeStats:
+    frames_received: int = 0
+    bad_framing: int = 0  # multipart messages that are not identity + one payload
+    rejected_frames: int = 0  # ProtocolError from the core (its own stats count W5 frames)
+    frames_sent: int = 0
+    undeliverable: int = 0  # replies to a Prefill connection that is gone
+    reads: int = 0
+    failed_reads: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+
+class DecodeWorker:
+    """The ROUTER and reader thread of one Decode rank around a :class:`DecodeCore`.
+
+    Other threads talk to the core through the lock-protected methods below
+    (``register_request``, ``local_outcome``, ``apply_agreement``); frames and reads they
+    cause are handed to the reader thread, which owns the socket. ``on_ready`` and
+    ``on_finished`` are called with ``RequestReady`` / ``RequestFinished`` from whichever
+    thread produced them (the reader, or the caller of ``register_request`` /
+    ``apply_agreement``); they must be quick and thread-safe.
+    """
+
+    def __init__(
+        self,
+        core: DecodeCore,
+        engine: TransferEngine,
+        port: int,
+        *,
+        host: str = "127.0.0.1",
+        tracer: Tracer | None = None,
+        on_ready: Callable[[RequestReady], None] | None = None,
+        on_finished: Callable[[RequestFinished], None] | None = None,
+        context: zmq.Context | None = None,
+        clock: Clock = time.monotonic,
+        linger_ms: int = 1000,
+        max_frame_bytes: int = 4 * wire.MAX_FRAME_BYTES,
+    ) -> None:
+        self.core = core
+        self.engine = engine
+        self.stats = DecodeStats()
+        self._tracer = tracer
+        self._on_ready = on_ready
+        self._on_finished = on_finished
+        self._clock = clock
+        self._linger_ms = linger_ms
+        self._cond = threading.Condition()
+        self._actions: deque[Action] = deque()
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
+        self._wake = _Wake(self._ctx, f"decode{core.d_rank}")
+        self._router = self._ctx.socket(zmq.ROUTER)
+        # Replies to a vanished identity raise instead of vanishing silently (counted).
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Frames up to a few times the wire limit reach the core, which rejects oversized
+        # READYs with READ_FAILED (W5); beyond that ZMQ drops the connection (memory bound).
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        addr = f"tcp://{host}:{port}" if port else f"tcp://{host}:*"
+        try:
+            self._router.bind(addr)
+        except zmq.ZMQError as exc:
+            self._router.close(linger=0)
+            self._wake.close_tx()
+            self._wake.rx.close(linger=0)
+            if self._own_ctx:
+                self._ctx.term()
+            raise BindError(f"Decode rank {core.d_rank} cannot bind its ROUTER on {addr} "
+                            f"(P1): {exc.strerror}") from exc
+        bound = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.port = int(bound.rsplit(":", 1)[1])
+        shown = f"[{host}]" if ":" in host else host
+        self.endpoint = f"{shown}:{self.port}"
+        if tracer is not None:
+            tracer.info(endpoint=self.endpoint)
+        self._thread = threading.Thread(target=self._run, name=f"decode{core.d_rank}-reader",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ other threads
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise ControlPlaneError(f"decode reader thread failed: {self._failure!r}")
+        if self._closing:
+            raise ControlPlaneError("decode worker is closed")
+
+    def _dispatch(self, actions: Sequence[Action]) -> None:
+        """Run callbacks here; hand frames and reads to the reader thread."""
+        io = [a for a in actions if isinstance(a, Send | IssueRead)]
+        if io:
+            with self._cond:
+                self._actions.extend(io)
+            self._wake.ring()
+        for a in actions:
+            if isinstance(a, RequestReady | RequestFinished):
+                self._callback(a)
+
+    def _callback(self, action: RequestReady | RequestFinished) -> None:
+        fn = self._on_ready if isinstance(action, RequestReady) else self._on_finished
+        if fn is not None:
+            fn(action)
+
+    def register_request(self, ext_req_id: str, main_dest: Sequence[int],
+                         indexer_dest: Sequence[int]) -> None:
+        """The scheduler allocated this request's destinations (C1)."""
+        with self._cond:
+            self._check_alive()
+            actions = self.core.register_request(ext_req_id, main_dest, indexer_dest,
+                                                 self._clock())
+        self._dispatch(actions)
+
+    def local_outcome(self, ext_req_id: str) -> bool | None:
+        with self._cond:
+            return self.core.local_outcome(ext_req_id)
+
+    def apply_agreement(self, ext_req_id: str, all_ok: bool) -> list[RequestFinished]:
+        """The TP group agreed on the request (R1, R2); returns the terminal status."""
+        with self._cond:
+            self._check_alive()
+            actions = self.core.apply_agreement(ext_req_id, all_ok)
+        self._dispatch(actions)
+        return [a for a in actions if isinstance(a, RequestFinished)]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the reader; queued replies get up to ``linger_ms`` to leave. Bounded."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._wake.ring()
+        self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        self._wake.close_tx()
+        if alive:
+            raise ControlPlaneError(f"decode reader thread did not stop within {timeout}s")
+        if self._own_ctx:
+            self._ctx.term()
+
+    def __enter__(self) -> DecodeWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reader thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake.rx, zmq.POLLIN)
+        try:
+            while True:
+                with self._cond:
+                    if self._closing:
+                        return
+                    pending = list(self._actions)
+                    self._actions.clear()
+                    deadline = self.core.next_deadline()
+                timeout = 0 if pending else _poll_ms(deadline, self._clock())
+                self._execute(pending)
+                events = dict(poller.poll(timeout))
+                if self._wake.rx in events:
+                    self._wake.drain()
+                if self._router in events:
+                    self._recv_frames()
+                now = self._clock()
+                with self._cond:
+                    deadline = self.core.next_deadline()
+                    due = deadline is not None and now >= deadline
+                    actions = self.core.tick(now) if due else []
+                self._execute(actions)
+        except BaseException as exc:  # noqa: BLE001 - reported to every API caller
+            log.exception("decode rank %d reader thread failed", self.core.d_rank)
+            with self._cond:
+                self._failure = exc
+                self._cond.notify_all()
+        finally:
+            self._router.close(linger=self._linger_ms)
+            self._wake.rx.close(linger=0)
+
+    def _recv_frames(self) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.stats.frames_received += 1
+            try:
+                identity, payload = wire.split_router_frames(frames)
+            except WireError as exc:
+                self.stats.bad_framing += 1
+                log.warning("decode rank %d: dropped a message: %s", self.core.d_rank, exc)
+                if self._tracer is not None:
+                    self._tracer.info(event="bad_framing", error=str(exc)[:200])
+                continue
+            peer = identity.hex()
+            if self._tracer is not None:
+                self._tracer.message("recv", peer, payload)
+            try:
+                with self._cond:
+                    actions = self.core.on_frame(peer, payload, self._clock())
+            except ProtocolError as exc:
+                self.stats.rejected_frames += 1
+                log.warning("decode rank %d: rejected frame from %s: %s",
+                            self.core.d_rank, peer, exc)
+                continue
+            self._execute(actions)
+
+    def _execute(self, actions: Sequence[Action]) -> None:
+        queue: deque[Action] = deque(actions)
+        while queue:
+            a = queue.popleft()
+            if isinstance(a, Send):
+                self._send(a)
+            elif isinstance(a, IssueRead):
+                result = self._read(a)
+                with self._cond:
+                    more = self.core.read_result(a.read_id, result, self._clock())
+                queue.extendleft(reversed(more))  # the read's reply goes out first
+            else:
+                self._callback(a)
+
+    def _send(self, a: Send) -> None:
+        if self._tracer is not None:
+            self._tracer.message("send", a.peer, a.payload)
+        try:
+            self._router.send_multipart([bytes.fromhex(a.peer), a.payload], zmq.NOBLOCK)
+            self.stats.frames_sent += 1
+        except (zmq.ZMQError, ValueError) as exc:
+            # The Prefill connection is gone (EHOSTUNREACH) or its queue is full; the core
+            # did its part (exactly one reply), and Prefill's monitor fails its gate (S5).
+            self.stats.undeliverable += 1
+            log.warning("decode rank %d: reply to %s undeliverable: %s",
+                        self.core.d_rank, a.peer, exc)
+            with self._cond:
+                self.core.connection_lost(a.peer)
+
+    def _read(self, a: IssueRead) -> int:
+        plan = a.plan
+        t0 = time.perf_counter()
+        try:
+            result = int(self.engine.batch_transfer_sync_read(
+                a.session, plan.local_addrs, plan.peer_addrs, plan.lengths))
+        except Exception:  # noqa: BLE001 - an engine must not raise; if it does, F2
+            log.exception("decode rank %d: transfer engine raised", self.core.d_rank)
+            result = int(TransferResult.BACKEND)
+        self.stats.read_seconds += time.perf_counter() - t0
+        if result == 0:
+            self.stats.reads += 1
+            self.stats.bytes_read += plan.total_bytes
+        else:
+            self.stats.failed_reads += 1
+            log.warning("decode rank %d: batched read from %s failed (%d): %s",
+                        self.core.d_rank, a.session, result,
+                        getattr(self.engine, "last_error", ""))
+        return result
+
+
+# ============================================================================ agreement
+
+
+class AgreementLoop:
+    """Decode TP ranks agree on terminal status (R1, R2), one collective per round.
+
+    Cadence (it stands in for vLLM's scheduler step, where ``get_finished`` runs once per
+    step on every worker): a rank joins the next round as soon as its core reported a new
+    local outcome (``notify``, wired as the worker's ``on_ready``), or ``round_wait``
+    seconds after its previous round, whichever comes first - waiting on a condition, not
+    sleeping. Because ``TpGroup.agree`` is a collective, a round completes when the last
+    rank joins, so every request is agreed at most about ``round_wait`` after the slowest
+    rank finished it, and every rank calls ``agree`` the same number of times.
+
+    Each rank stops after the round in which ``until(agreed)`` first holds; ``agreed`` is
+    identical on every rank after every round, so they all stop after the same round.
+    ``close()`` stops a rank early (abort): the other ranks' next round then fails with the
+    group's timeout instead of hanging.
+    """
+
+    def __init__(self, group: TpGroup, *, round_wait: float = 0.02,
+                 on_agreed: Callable[[str, bool], None] | None = None,
+                 clock: Clock = time.monotonic) -> None:
+        if not round_wait > 0:
+            raise ValueError("round_wait must be > 0")
+        self.group = group
+        self.round_wait = round_wait
+        self.rounds = 0
+        self.agreed: dict[str, bool] = {}
+        self.error: BaseException | None = None
+        self._on_agreed = on_agreed
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._fresh: dict[str, bool] = {}
+        self._reported: set[str] = set()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def notify(self, ready: RequestReady) -> None:
+        """A local outcome (the DecodeWorker's ``on_ready``); first report per id counts."""
+        with self._cond:
+            if ready.ext_req_id in self._reported:
+                return
+            self._reported.add(ready.ext_req_id)
+            self._fresh[ready.ext_req_id] = ready.ok
+            self._cond.notify_all()
+
+    def start(self, worker: DecodeWorker, until: Callable[[Mapping[str, bool]], bool]) -> None:
+        if self._thread is not None:
+            raise ControlPlaneError("agreement loop already started")
+        self._thread = threading.Thread(target=self.run, args=(worker, until),
+                                        name=f"decode{self.group.rank}-agree", daemon=True)
+        self._thread.start()
+
+    def run(self, worker: DecodeWorker, until: Callable[[Mapping[str, bool]], bool]) -> None:
+        """The loop itself (``start`` runs it on a thread)."""
+        last = self._clock()
+        try:
+            while not until(self.agreed):
+                with self._cond:
+                    deadline = last + self.round_wait
+                    while not self._fresh and not self._closing:
+                        remaining = deadline - self._clock()
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
+                    if self._closing:
+                        return
+                    local, self._fresh = self._fresh, {}
+                agreed = self.group.agree(local)  # collective: every rank, every round
+                last = self._clock()
+                self.rounds += 1
+                for ext_req_id, ok in agreed.items():
+                    worker.apply_agreement(ext_req_id, ok)
+                    with self._cond:
+                        self.agreed[ext_req_id] = ok
+                        self._cond.notify_all()
+                    if self._on_agreed is not None:
+                        self._on_agreed(ext_req_id, ok)
+        except BaseException as exc:  # noqa: BLE001 - surfaced through .error / join()
+            log.exception("agreement loop on rank %d failed", self.group.rank)
+            self.error = exc
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the loop has ended; True when it did within ``timeout``."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise ControlPlaneError(
+                    f"agreement loop did not stop within {timeout}s (blocked in a collective "
+                    "until the group's timeout)")

@@ -1,0 +1,509 @@
+"""JSON-lines traces of real runs, and their validation against the declared machines.
+
+Every runtime process can write one trace file. A :class:`Tracer` is a
+``statemachines.engine`` observer (one record per machine transition, exactly what the cores
+fired) and also records, per frame, the message kind and layer that went over a ZMQ
+connection (never whole payloads), plus connection lifecycle events.
+
+``validate(paths)`` replays the files through the machines of ``statemachines.tables`` and
+checks the cross-process rules a single core cannot see:
+
+* every transition is declared: a record's source is the replayed state, (source, event) is
+  in the table and its destination is one the table allows; the first record of a model is
+  ``start`` in the initial state; nothing leaves a final state;
+* W1: on every connection MF_META precedes the first READY (checked on both ends);
+* S3: every READY gets exactly one reply - a reply never exceeds the READYs outstanding for
+  its layer, a cleanly closed process leaves none unanswered, and where both ends of a
+  connection are in the set, the counts each side sent equal the counts the other received;
+* R1/R2: every request that reached a terminal state on one Decode rank reached the same
+  one on every Decode rank of the set (one Decode instance per validation).
+
+Record kinds (``k``): ``process`` (header), ``info``, ``tr`` (transition), ``msg``,
+``conn`` and ``close`` (written by :meth:`Tracer.close`; its absence means the process did
+not shut down cleanly, and end-of-run completeness checks are then skipped for that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgpack
+
+from sfa_rd2h.spec import wire
+from sfa_rd2h.statemachines.tables import BY_NAME
+
+REPLY_KINDS = frozenset({"read_done", "read_failed"})
+_FLUSH_LINES = 512  # buffered records before a write; close() flushes the rest
+_ARG_CHARS = 160  # error texts in transition arguments are cut to this length
+_MAX_DIVERGENCES = 100
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def summarize(payload: bytes) -> tuple[str, int | None]:
+    """``(kind, layer)`` of a frame without decoding it fully; never raises.
+
+    Only a short prefix is parsed, so this costs the same for a 10-byte reply and a
+    multi-megabyte READY. The layer of a READY is ``wire.layer_of`` - the same rule the
+    Decode core uses to decide whether a malformed READY can still be answered (W5).
+    """
+    if payload == wire.RAW_ACK:
+        return "ack", None
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64, max_str_len=64,
+                                    max_bin_len=64, max_array_len=64, max_map_len=64,
+                                    max_ext_len=0)
+        unpacker.feed(bytes(memoryview(payload)[:64]))
+        if unpacker.read_array_header() < 1:
+            return "malformed", None
+        kind = unpacker.unpack()
+        if not isinstance(kind, bytes):
+            return "malformed", None
+        name = kind.decode("ascii", "replace")
+        if kind == wire.READ_READY_BATCH:
+            return name, wire.layer_of(payload)
+        if kind in (wire.READ_DONE, wire.READ_FAILED):
+            layer = unpacker.unpack()
+            return name, layer if type(layer) is int else None
+        return name, None
+    except Exception:  # noqa: BLE001 - garbage is a valid thing to summarize
+        return "malformed", None
+
+
+def _arg(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str):
+        return value[:_ARG_CHARS]
+    if isinstance(value, set | frozenset | list | tuple):
+        return sorted(str(v)[:_ARG_CHARS] for v in value)
+    return str(value)[:_ARG_CHARS]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class Tracer:
+    """Thread-safe, buffered JSON-lines trace of one process.
+
+    Use it as the cores' ``observer=`` (it is callable with the observer signature) and
+    call :meth:`message` for frames. ``info`` keys go into the header record (role, rank,
+    endpoint, ...): ``validate`` reads ``role`` (``prefill``/``decode``) and, for Decode,
+    ``endpoint`` to pair the two ends of a connection.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], process_name: str, **info: Any) -> None:
+        self.path = Path(path)
+        self.process_name = process_name
+        self._lock = threading.Lock()
+        self._buf: list[str] = []
+        self._closed = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+        self._t0 = time.monotonic()
+        self._write({"k": "process", "name": process_name, "pid": os.getpid(), **info})
+
+    def _t(self) -> float:
+        return round(time.monotonic() - self._t0, 6)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, separators=(",", ":"), default=str)
+        flush: list[str] | None = None
+        with self._lock:
+            if self._closed:
+                return
+            self._buf.append(line)
+            if len(self._buf) >= _FLUSH_LINES:
+                flush, self._buf = self._buf, []
+                # Written under the lock so records stay in order across threads; the file
+                # is local and buffered, this is not network I/O.
+                self._file.write("\n".join(flush) + "\n")
+
+    def __call__(self, machine: str, key: str, event: str, source: str, dest: str,
+                 args: tuple) -> None:
+        """The ``statemachines.engine`` observer hook."""
+        record: dict[str, Any] = {"k": "tr", "t": self._t(), "m": machine, "key": key,
+                                  "ev": event, "src": source, "dst": dest}
+        if args:
+            record["a"] = [_arg(a) for a in args]
+        self._write(record)
+
+    def message(self, direction: str, peer: str, payload: bytes, *,
+                conn: str | None = None) -> None:
+        """One frame ``send``/``recv`` on a connection: its kind and layer only."""
+        kind, layer = summarize(payload)
+        record: dict[str, Any] = {"k": "msg", "t": self._t(), "dir": direction,
+                                  "peer": peer, "kind": kind}
+        if layer is not None:
+            record["layer"] = layer
+        if conn is not None:
+            record["conn"] = conn
+        self._write(record)
+
+    def connection(self, event: str, peer: str, conn: str) -> None:
+        """Connection lifecycle on Prefill: ``open``, ``lost`` or ``close``."""
+        self._write({"k": "conn", "t": self._t(), "ev": event, "peer": peer, "conn": conn})
+
+    def info(self, **fields: Any) -> None:
+        self._write({"k": "info", "t": self._t(), **fields})
+
+    def close(self) -> None:
+        """Flush everything and mark the process as cleanly closed. Idempotent."""
+        self._write({"k": "close", "t": self._t()})
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._buf:
+                self._file.write("\n".join(self._buf) + "\n")
+                self._buf = []
+            self._file.close()
+
+    def __enter__(self) -> Tracer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class Divergence:
+    path: str
+    line: int
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.rule}: {self.message}"
+
+
+@dataclass
+class Report:
+    """The outcome of :func:`validate`; truthy when no divergence was found."""
+
+    files: int = 0
+    records: int = 0
+    transitions: int = 0
+    messages: int = 0
+    divergences: list[Divergence] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.divergences
+
+    @property
+    def divergence(self) -> Divergence | None:
+        """The first divergence, in file order then line order."""
+        return self.divergences[0] if self.divergences else None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def summary(self) -> str:
+        head = (f"{self.files} trace(s), {self.records} records, {self.transitions} "
+                f"transitions, {self.messages} messages")
+        if self.ok:
+            return f"valid: {head}"
+        more = len(self.divergences) - 1
+        tail = f" (+{more} more)" if more else ""
+        return f"DIVERGENCE: {self.divergence}{tail}\n  in {head}"
+
+
+@dataclass
+class _Conn:
+    """One connection seen from one end: READY and reply counts per layer."""
+
+    first_line: int
+    last_line: int
+    peer: str
+    meta: bool = False
+    lost: bool = False
+    readys: Counter = field(default_factory=Counter)
+    replies: Counter = field(default_factory=Counter)
+    outstanding: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class _File:
+    path: str
+    role: str = ""
+    endpoint: str | None = None
+    closed: bool = False
+    last_line: int = 0
+    conns: dict[str, _Conn] = field(default_factory=dict)  # prefill: by identity hex
+    finals: dict[str, tuple[int, str]] = field(default_factory=dict)  # request -> (line, st)
+    started: dict[str, int] = field(default_factory=dict)  # request -> line
+
+
+class _Validator:
+    def __init__(self) -> None:
+        self.report = Report()
+        self.allowed: dict[str, dict[tuple[str, str], set[str]]] = {}
+        for name, spec in BY_NAME.items():
+            table: dict[tuple[str, str], set[str]] = defaultdict(set)
+            for t in spec.transitions:
+                table[(t.source, t.trigger)].add(t.dest)
+            self.allowed[name] = dict(table)
+        self.files: list[_File] = []
+
+    def fail(self, path: str, line: int, rule: str, message: str) -> None:
+        if len(self.report.divergences) < _MAX_DIVERGENCES:
+            self.report.divergences.append(Divergence(path, line, rule, message))
+
+    # -- one file
+
+    def load(self, path: str) -> None:
+        f = _File(path)
+        self.files.append(f)
+        self.report.files += 1
+        states: dict[tuple[str, str], str] = {}
+        try:
+            fh = open(path, encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            self.fail(path, 0, "trace", f"cannot read: {exc}")
+            return
+        with fh:
+            for line_no, raw in enumerate(fh, 1):
+                f.last_line = line_no
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw)
+                except ValueError as exc:
+                    self.fail(path, line_no, "trace", f"not a JSON record: {exc}")
+                    continue
+                if not isinstance(rec, dict):
+                    self.fail(path, line_no, "trace", "record is not a JSON object")
+                    continue
+                self.report.records += 1
+                kind = rec.get("k")
+                if line_no == 1 and kind != "process":
+                    self.fail(path, 1, "trace", "first record is not a process header")
+                if kind == "process":
+                    f.role = str(rec.get("role", ""))
+                    f.endpoint = rec.get("endpoint")
+                elif kind == "info":
+                    if "endpoint" in rec:
+                        f.endpoint = rec["endpoint"]
+                elif kind == "tr":
+                    self.report.transitions += 1
+                    self._transition(f, states, line_no, rec)
+                elif kind == "msg":
+                    self.report.messages += 1
+                    self._message(f, line_no, rec)
+                elif kind == "conn":
+                    self._conn_event(f, line_no, rec)
+                elif kind == "close":
+                    f.closed = True
+                else:
+                    self.fail(path, line_no, "trace", f"unknown record kind {kind!r}")
+        if f.closed:
+            self._end_of_file(f)
+
+    def _transition(self, f: _File, states: dict[tuple[str, str], str], line: int,
+                    rec: dict[str, Any]) -> None:
+        machine, key, ev = rec.get("m"), rec.get("key"), rec.get("ev")
+        src, dst = rec.get("src"), rec.get("dst")
+        spec = BY_NAME.get(machine)  # type: ignore[arg-type]
+        if spec is None:
+            self.fail(f.path, line, "machines", f"unknown machine {machine!r}")
+            return
+        ident = (machine, key)
+        where = f"{machine}[{key}]"
+        if ev == "start":
+            if ident in states:
+                self.fail(f.path, line, "machines", f"{where} started twice")
+            elif dst != spec.initial:
+                self.fail(f.path, line, "machines",
+                          f"{where} starts in {dst!r}, not the initial state {spec.initial!r}")
+            states[ident] = spec.initial
+            if machine == "request_status":
+                f.started[key] = line
+            return
+        current = states.get(ident)
+        if current is None:
+            self.fail(f.path, line, "machines", f"{where}: {ev!r} before its start record")
+            states[ident] = dst
+            return
+        if src != current:
+            self.fail(f.path, line, "machines",
+                      f"{where}: record says {ev!r} from {src!r}, replay is in {current!r}")
+        if current in spec.final_states:
+            self.fail(f.path, line, "machines",
+                      f"{where}: {ev!r} leaves final state {current!r}")
+        else:
+            dests = self.allowed[machine].get((current, ev))
+            if dests is None:
+                self.fail(f.path, line, "machines",
+                          f"{where}: {ev!r} is not declared from {current!r}")
+            elif dst not in dests:
+                self.fail(f.path, line, "machines",
+                          f"{where}: {ev!r} from {current!r} goes to {sorted(dests)}, "
+                          f"record says {dst!r}")
+        states[ident] = dst
+        if machine == "request_status" and dst in spec.final_states:
+            f.finals[key] = (line, dst)
+
+    def _conn(self, f: _File, conn_id: str, peer: str, line: int) -> _Conn:
+        c = f.conns.get(conn_id)
+        if c is None:
+            c = f.conns[conn_id] = _Conn(line, line, peer)
+        c.last_line = line
+        return c
+
+    def _message(self, f: _File, line: int, rec: dict[str, Any]) -> None:
+        direction, kind, layer = rec.get("dir"), rec.get("kind"), rec.get("layer")
+        peer = str(rec.get("peer", ""))
+        if f.role == "prefill":
+            conn_id = str(rec.get("conn") or peer)
+            outgoing = direction == "send"
+        else:
+            conn_id = peer
+            outgoing = direction == "recv"  # on Decode, READYs come in and replies go out
+        c = self._conn(f, conn_id, peer, line)
+        if outgoing and kind == "mf_meta":
+            c.meta = True
+        elif outgoing and kind == "read_ready_batch" and layer is not None:
+            if not c.meta:
+                self.fail(f.path, line, "W1",
+                          f"READY for layer {layer} on connection {conn_id} before MF_META")
+            c.readys[layer] += 1
+            c.outstanding[layer] += 1
+        elif not outgoing and kind in REPLY_KINDS and layer is not None:
+            c.replies[layer] += 1
+            if c.outstanding[layer] <= 0:
+                self.fail(f.path, line, "S3",
+                          f"{kind} for layer {layer} on connection {conn_id} answers no "
+                          "outstanding READY")
+            else:
+                c.outstanding[layer] -= 1
+
+    def _conn_event(self, f: _File, line: int, rec: dict[str, Any]) -> None:
+        c = self._conn(f, str(rec.get("conn")), str(rec.get("peer", "")), line)
+        if rec.get("ev") == "lost":
+            c.lost = True  # S5: outstanding READYs are failed by the core, not answered
+
+    def _end_of_file(self, f: _File) -> None:
+        for conn_id, c in f.conns.items():
+            if c.lost:
+                continue
+            left = {layer: n for layer, n in c.outstanding.items() if n > 0}
+            if left:
+                self.fail(f.path, c.last_line, "S3",
+                          f"connection {conn_id} closed with unanswered READY(s) per layer "
+                          f"{left}")
+
+    # -- across files
+
+    def cross(self) -> None:
+        decode = [f for f in self.files if f.role == "decode"]
+        prefill = [f for f in self.files if f.role == "prefill"]
+        by_endpoint = {f.endpoint: f for f in decode if f.endpoint}
+        for p in prefill:
+            for conn_id, c in p.conns.items():
+                d = by_endpoint.get(c.peer)
+                if d is None or c.lost or not (p.closed and d.closed):
+                    continue
+                dc = d.conns.get(conn_id)
+                got_r = dc.readys if dc is not None else Counter()
+                got_a = dc.replies if dc is not None else Counter()
+                if +c.readys != +got_r:
+                    self.fail(p.path, c.last_line, "S3",
+                              f"connection {conn_id}: Prefill sent READYs per layer "
+                              f"{dict(c.readys)}, {d.path} received {dict(got_r)}")
+                elif +c.replies != +got_a:
+                    self.fail(p.path, c.last_line, "S3",
+                              f"connection {conn_id}: {d.path} sent replies per layer "
+                              f"{dict(got_a)}, Prefill received {dict(c.replies)}")
+        keys = sorted({k for f in decode for k in f.finals})
+        for key in keys:
+            outcomes = {f.path: f.finals.get(key) for f in decode if key in f.started}
+            seen = {v[1] for v in outcomes.values() if v is not None}
+            if len(seen) > 1:
+                path, (line, dst) = next((p, v) for p, v in outcomes.items()
+                                         if v is not None and v[1] == "failed")
+                others = {p: v[1] for p, v in outcomes.items() if v is not None}
+                self.fail(path, line, "R2",
+                          f"request {key!r} ended {dst!r} here but the Decode ranks disagree: "
+                          f"{others}")
+                continue
+            for f in decode:
+                if key in f.started and key not in f.finals and f.closed:
+                    self.fail(f.path, f.started[key], "R1",
+                              f"request {key!r} is terminal on another Decode rank but never "
+                              "reached a terminal state here")
+
+
+def validate(paths: Iterable[str | os.PathLike[str]]) -> Report:
+    """Replay trace files through the machines and the cross-process rules."""
+    v = _Validator()
+    for path in paths:
+        v.load(os.fspath(path))
+    v.cross()
+    return v.report
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``validate TRACE...`` to an argparse sub-command set; handler ``cmd_validate``."""
+    p = subparsers.add_parser(
+        "validate",
+        help="replay JSON-lines traces through the machines and cross-process invariants",
+        description="Exit 0 when the traces are valid, 1 at a divergence (printed with "
+                    "file:line), 2 when no trace was given.",
+    )
+    p.add_argument("traces", nargs="+", help="trace files or folders of *.jsonl files")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_validate)
+    return p
+
+
+def _expand(items: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for item in items:
+        path = Path(item)
+        if path.is_dir():
+            out += [str(p) for p in sorted(path.glob("*.jsonl"))]
+        else:
+            out.append(item)
+    return out
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    paths = _expand(args.traces)
+    if not paths:
+        print("no trace files given", file=sys.stderr)
+        return 2
+    report = validate(paths)
+    if getattr(args, "json", False):
+        print(json.dumps({
+            "ok": report.ok, "files": report.files, "records": report.records,
+            "transitions": report.transitions, "messages": report.messages,
+            "divergences": [str(d) for d in report.divergences],
+        }))
+    else:
+        print(report.summary())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _parser = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.trace")
+    add_validate_parser(_parser.add_subparsers(dest="command", required=True))
+    _args = _parser.parse_args(["validate", *sys.argv[1:]])
+    sys.exit(cmd_validate(_args))

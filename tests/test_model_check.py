@@ -1,0 +1,141 @@
+"""The model checker: correct cores pass, every seeded bug is caught, counts are pinned."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sfa_rd2h.model_check import mutants
+from sfa_rd2h.model_check.checker import run_check
+from sfa_rd2h.model_check.cluster import Cluster, RequestSpec, Scope, scope_from_json
+from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, explore
+from sfa_rd2h.model_check.invariants import InvariantViolation
+from sfa_rd2h.runtime.cli import main
+from sfa_rd2h.spec.errors import TopologyError
+
+PINNED = Path(__file__).parent / "data" / "mutant_counterexamples.json"
+
+# The number of distinct states of DEFAULT_SCOPE. A change here means the protocol's
+# behaviour changed: review it like a change of the spec snapshot.
+PINNED_STATES = 952
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(3, 2), (2, 4), (0, 1)])
+def test_invalid_topologies_are_rejected_up_front(p_tp, d_tp):
+    with pytest.raises(TopologyError, match="T1"):
+        Cluster(Scope(p_tp=p_tp, d_tp=d_tp))
+
+
+def _run_to_end(cluster: Cluster) -> None:
+    while ops := cluster.enabled(faults=False, timers=False):
+        cluster.apply(ops[-1])
+    cluster.check_quiescent()
+
+
+@pytest.mark.parametrize("p_tp, d_tp, indexer, scale", [
+    (1, 1, False, False), (2, 1, True, False), (4, 2, True, True), (4, 1, True, True)])
+def test_every_ratio_moves_every_byte(p_tp, d_tp, indexer, scale):
+    scope = Scope(p_tp=p_tp, d_tp=d_tp, n_layers=3, n_slots=2, indexer=indexer, scale=scale,
+                  requests=(RequestSpec(9, (5, 9)), RequestSpec(3, (3,), None, 0),
+                            RequestSpec(2, (2,), 0, 0)), d_instances=2, max_faults=0)
+    cluster = Cluster(scope)
+    _run_to_end(cluster)
+    assert cluster.outcome == {0: True, 1: True, 2: True}  # bytes checked on each success
+
+
+def test_read_failure_fails_the_request_and_frees_the_gate():  # R5, S4, F2
+    cluster = Cluster(Scope(max_faults=1, fault_kinds=frozenset({"fail_read"})))
+    cluster.apply(("fail_read", 0))
+    _run_to_end(cluster)
+    assert sorted(cluster.outcome.values()) == [False, True] or not all(cluster.outcome.values())
+    assert cluster.p_errors >= 1  # the compute path observed the failed gate
+
+
+def test_layout_mismatch_fails_cleanly():  # L1
+    cluster = Cluster(Scope(layout_mismatch_layer=1, max_faults=0))
+    _run_to_end(cluster)
+    assert cluster.outcome == {0: False, 1: False}
+
+
+def test_explorer_count_is_pinned():
+    result = explore(DEFAULT_SCOPE)
+    assert result.complete
+    assert result.final_states == 1  # every interleaving converges to one outcome
+    assert result.states == PINNED_STATES
+
+
+def test_explorer_finds_a_seeded_bug():
+    with pytest.raises(InvariantViolation, match="S1"):
+        explore(DEFAULT_SCOPE, cluster_factory=lambda s: Cluster(s, mutants.GateByLayerName))
+
+
+def test_checker_passes_on_the_correct_cores():
+    budget = float(os.environ.get("SFA_RD2H_CHECK_BUDGET", "20"))
+    result = run_check(budget, seed_value=1, profile="ci" if os.environ.get("CI") else None)
+    assert result.ok, "\n".join(result.counterexample + [result.error])
+    assert result.examples > 0
+
+
+def test_catalog_covers_known_failures_and_every_rule_group():
+    names = {b.name for b in mutants.BUGS}
+    assert {"ack_from_any_reader", "no_rehandshake_after_restart", "trust_first_ratio",
+            "notify_before_landed", "fail_without_waiting", "write_after_terminal",
+            "cached_tokens_keyerror"} <= names
+    groups = {r.rstrip("0123456789") for b in mutants.BUGS for r in b.rules}
+    assert {"S", "R", "T", "L", "W", "C", "F"} <= groups
+
+
+def _pinned() -> list[dict]:
+    return json.loads(PINNED.read_text())
+
+
+def test_every_non_equivalent_bug_has_a_pinned_counterexample():
+    pinned = {entry["name"] for entry in _pinned()}
+    expected = {b.name for b in mutants.BUGS if not b.equivalent}
+    assert expected <= pinned
+
+
+@pytest.mark.parametrize("entry", _pinned(), ids=lambda e: e["name"])
+def test_pinned_counterexample(entry):
+    """The minimal counterexample still kills its bug, and the same schedule is harmless on
+    the correct cores (as far as the correct cores allow it to run)."""
+    bug = mutants.BY_NAME[entry["name"]]
+    scope = scope_from_json(entry["scope"])
+    ops = [tuple(op) for op in entry["ops"]]
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - any escape is a kill
+        cluster = Cluster(scope, bug.prefill, bug.decode)
+        for op in ops:
+            cluster.apply(op)
+        if not cluster.progress_pending():
+            cluster.check_quiescent()
+    assert entry["error"] in f"{type(caught.value).__name__}: {caught.value}"
+
+    correct = Cluster(scope)
+    for op in ops:
+        if op not in correct.enabled():
+            break
+        correct.apply(op)
+    else:
+        if not correct.progress_pending():
+            correct.check_quiescent()
+
+
+def test_mutants_cli_json(capsys):
+    assert main(["mutants", "--only", "notify_before_landed", "--budget", "20", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert set(row) == {"name", "rules", "killed", "seconds", "steps", "equivalent"}
+    assert row["killed"] and row["rules"] == ["C4"] and row["steps"] >= 2
+
+
+def test_check_cli_reports_a_counterexample(capsys, monkeypatch):
+    from sfa_rd2h.model_check import checker
+
+    real = checker.run_check
+    monkeypatch.setattr(checker, "run_check", lambda budget, seed_value, **kw: real(
+        budget, seed_value, prefill_cls=mutants.NotifyBeforeLanded, **kw))
+    assert main(["check", "--budget", "20", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "counterexample:" in out and "  1. deploy" in out and "C4 violated" in out
