@@ -49,6 +49,13 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
 
 
+def default_profile() -> str:
+    """``fuzz`` for nightly runs (SFA_RD2H_PROFILE=fuzz), else the short checker profile.
+
+    Runs are seeded, so the same seed and example count replay the same deployments."""
+    return os.environ.get("SFA_RD2H_PROFILE", "checker")
+
+
 @st.composite
 def request_specs(draw: st.DrawFn, group: int) -> RequestSpec:
     tokens = draw(st.integers(1, 10))
@@ -187,14 +194,17 @@ def _machine_for(prefill_cls: type[PrefillCore], decode_cls: type[DecodeCore]) -
 def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCore] = PrefillCore,
               decode_cls: type[DecodeCore] = DecodeCore, batch: int = 25,
               on_progress: Callable[[float, int], None] | None = None,
-              profile: str | None = None, shrink_seconds: float = 30.0) -> CheckResult:
-    """Run seeded batches until ``budget`` seconds pass or a counterexample appears.
+              profile: str | None = None, shrink_seconds: float = 30.0,
+              max_examples: int | None = None) -> CheckResult:
+    """Run seeded batches until ``budget`` seconds pass (or ``max_examples`` deployments
+    ran) or a counterexample appears.
 
-    Batch ``k`` uses seed ``seed_value * 1_000_003 + k``, so a run is reproducible. Shrinking
-    a counterexample is bounded by ``shrink_seconds``.
+    Batch ``k`` uses seed ``seed_value * 1_000_003 + k``, so a run is reproducible; with
+    ``max_examples`` it does not even depend on the machine's speed (what CI uses).
+    Shrinking a counterexample is bounded by ``shrink_seconds``.
     """
     machine = _machine_for(prefill_cls, decode_cls)
-    base = settings.get_profile(profile or os.environ.get("SFA_RD2H_PROFILE", "checker"))
+    base = settings.get_profile(profile or default_profile())
     start = time.perf_counter()
     examples = 0
     k = 0
@@ -217,7 +227,7 @@ def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCo
             elapsed = time.perf_counter() - start
             if on_progress is not None:
                 on_progress(elapsed, examples)
-            if elapsed >= budget:
+            if elapsed >= budget or (max_examples is not None and examples >= max_examples):
                 return CheckResult(True, examples, elapsed)
     finally:
         conjecture_engine.MAX_SHRINKING_SECONDS = saved

@@ -17,7 +17,7 @@ from sfa_rd2h.runtime.prefill_core import PrefillCore, PrefillRequest
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan
 from sfa_rd2h.spec.params import RemoteDecode
-from sfa_rd2h.spec.topology import Share, indexer_share, main_share, prefill_share, rotation
+from sfa_rd2h.spec.topology import Share, main_share, prefill_share, rotation
 from sfa_rd2h.statemachines.models import SlotGate
 
 
@@ -77,17 +77,15 @@ class EveryMemberPullsMain(PrefillCore):
 
 
 class IndexerGap(PrefillCore):
-    """T3: indexer ranges split one member short, so the last member's range is lost."""
+    """T3: the last member's indexer range stops one block short, so the union of the
+    members' ranges misses a block."""
 
     def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
         share = super()._share(req, start, stop)
-        ratio = self.mapping.ratio
-        if ratio == 1:
-            return share
-        member = self.member
-        idx = indexer_share(start, stop, min(member, ratio - 2), ratio - 1) \
-            if member < ratio - 1 else (start, start)
-        return Share(main=share.main, indexer=idx)
+        lo, hi = share.indexer
+        if self.member == self.mapping.ratio - 1 and hi > lo:
+            return Share(main=share.main, indexer=(lo, hi - 1))
+        return share
 
 
 class DropsPartialBlock(PrefillCore):

@@ -100,26 +100,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hypothesis_profile() -> str:
-    # CI runs a deterministic short profile; a nightly job sets SFA_RD2H_PROFILE=fuzz.
-    import os
-
-    return os.environ.get("SFA_RD2H_PROFILE") or ("ci" if os.environ.get("CI") else "checker")
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from sfa_rd2h.model_check import checker
 
-    profile = _hypothesis_profile()
+    profile = checker.default_profile()
     with tqdm(total=round(args.budget, 1), unit="s", desc="model check", leave=False,
               disable=args.quiet, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s {postfix}") as bar:
         def progress(elapsed: float, examples: int) -> None:
             bar.n = min(round(elapsed, 1), bar.total)
             bar.set_postfix_str(f"{examples} deployments")
 
-        result = checker.run_check(args.budget, args.seed, on_progress=progress, profile=profile)
+        result = checker.run_check(args.budget, args.seed, on_progress=progress, profile=profile,
+                                   max_examples=args.examples)
     if result.ok:
         print(f"ok: {result.examples} deployments explored in {result.seconds:.1f}s "
               f"(seed {args.seed}, profile {profile}); no invariant broke")
@@ -231,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="model-check the protocol cores (hypothesis, stateful)")
     p.add_argument("--budget", type=float, default=60.0, help="seconds to explore (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first batch")
+    p.add_argument("--examples", type=int, default=None,
+                   help="stop after this many deployments (machine-independent, for CI)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_check)
 
@@ -241,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
     p.set_defaults(func=cmd_mutants)
+
+    from sfa_rd2h.runtime.probe import add_probe_parser
+
+    add_probe_parser(sub)
 
     p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")
     p.add_argument("--max-states", type=int, default=None)

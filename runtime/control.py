@@ -782,17 +782,16 @@ class AgreementLoop:
         self._clock = clock
         self._cond = threading.Condition()
         self._fresh: dict[str, bool] = {}
-        self._reported: set[str] = set()
         self._closing = False
         self._thread: threading.Thread | None = None
 
     def notify(self, ready: RequestReady) -> None:
-        """A local outcome (the DecodeWorker's ``on_ready``); first report per id counts."""
+        """A local outcome (the DecodeWorker's ``on_ready``). Every report goes to the group,
+        which counts a rank once per id and keeps a failure (R4): a request that looked
+        complete can still fail locally before agreement (T1 ratio conflict)."""
         with self._cond:
-            if ready.ext_req_id in self._reported:
-                return
-            self._reported.add(ready.ext_req_id)
-            self._fresh[ready.ext_req_id] = ready.ok
+            ext = ready.ext_req_id
+            self._fresh[ext] = self._fresh.get(ext, True) and ready.ok
             self._cond.notify_all()
 
     def start(self, worker: DecodeWorker, until: Callable[[Mapping[str, bool]], bool]) -> None:

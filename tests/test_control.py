@@ -1,0 +1,501 @@
+"""The control plane in one process: PrefillWorker and DecodeWorker threads over real loopback
+ZMQ sockets, bytes moved by real HostEngines (the reader copies out of registered numpy
+memory by address). Plus the trace validator on real and on tampered traces.
+
+Nothing here sleeps to wait: every wait is on an Event, a Condition inside the workers, or a
+ZMQ poll, each with a timeout that only bounds a failure."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from sfa_rd2h.runtime.actions import RequestFinished
+from sfa_rd2h.runtime.control import (
+    AgreementLoop,
+    BindError,
+    DecodeWorker,
+    LayerSendTimeout,
+    PrefillWorker,
+)
+from sfa_rd2h.runtime.decode_core import DecodeCore
+from sfa_rd2h.runtime.engines.host import HostEngine
+from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
+from sfa_rd2h.runtime.tp_group import SingleRankGroup
+from sfa_rd2h.runtime.trace import Tracer, cmd_validate, summarize, validate
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.layout import DestLayout
+from sfa_rd2h.spec.topology import tp_mapping
+
+TB = (64, 64, 16)  # bytes per block: main K, main V, indexer
+BLOCK = 4  # tokens per block
+NB = 16  # blocks per tensor on each side
+WAIT = 10.0  # bound on awaiting something that should happen promptly
+
+
+def _pattern(req: int, layer: int, t: int) -> int:
+    return (req * 31 + layer * 7 + t + 1) % 251
+
+
+@dataclass
+class Prefill:
+    engine: HostEngine
+    slots: list[list[np.ndarray]]
+    layers: dict[str, wire.LayerMeta]
+    tracer: Tracer | None = None
+
+    def core(self, **kw: Any) -> PrefillCore:
+        return PrefillCore(0, tp_mapping(1, 1), self.engine.session_id, self.layers,
+                           block_size=BLOCK, observer=self.tracer, **kw)
+
+    def write(self, layer: int, req: int, main_ids: list[int], idx_ids: list[int]) -> None:
+        slot = self.slots[layer % len(self.slots)]
+        for t, arr in enumerate(slot):
+            arr[main_ids if t < 2 else idx_ids] = _pattern(req, layer, t)
+
+
+@dataclass
+class Decode:
+    engine: HostEngine
+    dest: list[list[np.ndarray]]  # [layer][tensor]
+    layouts: dict[str, DestLayout]
+    tracer: Tracer | None = None
+    finished: dict[str, RequestFinished] = field(default_factory=dict)
+    done: threading.Condition = field(default_factory=threading.Condition)
+
+    def on_finished(self, a: RequestFinished) -> None:
+        with self.done:
+            self.finished[a.ext_req_id] = a
+            self.done.notify_all()
+
+    def wait_finished(self, ext: str, timeout: float = WAIT) -> RequestFinished:
+        with self.done:
+            assert self.done.wait_for(lambda: ext in self.finished, timeout), \
+                f"{ext} did not finish within {timeout}s"
+            return self.finished[ext]
+
+    def check(self, layer: int, req: int, main_ids: list[int], idx_ids: list[int]) -> None:
+        for t, arr in enumerate(self.dest[layer]):
+            got = arr[main_ids if t < 2 else idx_ids]
+            assert (got == _pattern(req, layer, t)).all(), f"layer {layer} tensor {t}"
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[HostEngine, HostEngine]]:
+    pe, de = HostEngine(), HostEngine()
+    pe.initialize()
+    de.initialize()
+    yield pe, de
+    pe.close()
+    de.close()
+
+
+def make_prefill(engine: HostEngine, n_layers: int, n_slots: int,
+                 tracer: Tracer | None = None) -> Prefill:
+    slots = [[np.zeros((NB, n), np.uint8) for n in TB] for _ in range(n_slots)]
+    for row in slots:
+        for a in row:
+            engine.register_memory(a.ctypes.data, a.nbytes)
+    layers = {f"l{i}": wire.LayerMeta(tuple(a.ctypes.data for a in slots[i % n_slots]), TB,
+                                      (1, 1, 1), (0, 0, 1), 2, True) for i in range(n_layers)}
+    return Prefill(engine, slots, layers, tracer)
+
+
+def make_decode(engine: HostEngine, n_layers: int, tracer: Tracer | None = None) -> Decode:
+    dest = [[np.zeros((NB, n), np.uint8) for n in TB] for _ in range(n_layers)]
+    for row in dest:
+        for a in row:
+            engine.register_memory(a.ctypes.data, a.nbytes)
+    layouts = {f"l{i}": DestLayout(tuple(a.ctypes.data for a in dest[i]), TB, (NB,) * 3, 2,
+                                   True, False) for i in range(n_layers)}
+    return Decode(engine, dest, layouts, tracer)
+
+
+def params(port: int) -> dict[str, Any]:
+    return {"remote_host": "127.0.0.1", "remote_port": port, "remote_tp_size": 1}
+
+
+def run_layers(pw: PrefillWorker, p: Prefill, req: int, main_ids: list[int],
+               idx_ids: list[int], n_layers: int) -> None:
+    for layer in range(n_layers):
+        pw.wait_for_layer_send(layer, WAIT)
+        pw.begin_layer(layer)
+        p.write(layer, req, main_ids, idx_ids)
+        pw.layer_written(layer, None)
+
+
+# --------------------------------------------------------------------------- happy path
+
+
+def test_one_request_end_to_end(engines: tuple[HostEngine, HostEngine],
+                                tmp_path: Path) -> None:
+    pe, de = engines
+    n_layers = 3  # on 2 slots: layer 2 reuses layer 0's slot, so its gate must open (S1)
+    ptr = Tracer(tmp_path / "p.jsonl", "p0", role="prefill")
+    dtr = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+    p = make_prefill(pe, n_layers, 2, ptr)
+    d = make_decode(de, n_layers, dtr)
+    dcore = DecodeCore(0, 1, d.layouts, observer=dtr)
+    loop = AgreementLoop(SingleRankGroup())
+    dw = DecodeWorker(dcore, de, 0, tracer=dtr, on_ready=loop.notify,
+                      on_finished=d.on_finished)
+    loop.start(dw, until=lambda agreed: "r1" in agreed)
+    pw = PrefillWorker(p.core(), tracer=ptr)
+    main_ids, idx_ids = [9, 3, 5], [2, 4, 6]  # non-contiguous on purpose
+    try:
+        assert pw.add_request("r1", params(dw.port), main_ids, idx_ids) == dw.endpoint
+        dw.register_request("r1", [1, 2, 3], [7, 8, 9])
+        pw.schedule_chunk("r1", 10, True)  # 2 full blocks + a partial one, final (C2)
+        run_layers(pw, p, 1, main_ids, idx_ids, n_layers)
+        result = d.wait_finished("r1")
+        assert result.ok and result.error is None
+        for layer in range(n_layers):
+            d.check(layer, 1, [1, 2, 3], [7, 8, 9])
+        assert pw.drain(WAIT) == []
+        assert len(pw.round_trips()) == n_layers
+        assert dw.stats.reads == n_layers and dw.stats.failed_reads == 0
+        assert dw.stats.bytes_read == n_layers * 3 * sum(TB)
+        assert loop.wait(WAIT) and loop.error is None and loop.agreed == {"r1": True}
+    finally:
+        t0 = time.monotonic()
+        pw.close()
+        loop.close()
+        dw.close()
+        assert time.monotonic() - t0 < 3.0  # nothing in flight: well inside the bounds
+        ptr.close()
+        dtr.close()
+    report = validate([tmp_path / "p.jsonl", tmp_path / "d.jsonl"])
+    assert report.ok, report.summary()
+    assert report.transitions > 20 and report.messages == 2 * (2 + 2 * n_layers)
+
+
+def test_device_event_is_awaited_in_the_sender(engines: tuple[HostEngine, HostEngine]) -> None:
+    """C4: the READY waits for the device event, and the compute thread does not."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    entered, release = threading.Event(), threading.Event()
+
+    class Event:
+        def synchronize(self) -> None:
+            entered.set()
+            assert release.wait(WAIT)
+
+    loop = AgreementLoop(SingleRankGroup())
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, on_ready=loop.notify,
+                      on_finished=d.on_finished)
+    loop.start(dw, until=lambda agreed: "r" in agreed)
+    core = p.core()
+    pw = PrefillWorker(core)
+    try:
+        pw.add_request("r", params(dw.port), [1], [1])
+        dw.register_request("r", [2], [3])
+        pw.schedule_chunk("r", 4, True)
+        pw.wait_for_layer_send(0, WAIT)
+        pw.begin_layer(0)
+        pw.layer_written(0, Event())  # returns at once: the compute thread never blocks
+        assert entered.wait(WAIT)
+        # The sender is inside synchronize(): the slot cannot have been published.
+        assert [g.state for g in core.gates_of(0)] == ["writing", "writing"]
+        assert dw.stats.frames_received == 0
+        p.write(0, 1, [1], [1])  # the "device" finishes writing, then signals
+        release.set()
+        assert d.wait_finished("r").ok
+        d.check(0, 1, [2], [3])
+    finally:
+        release.set()
+        pw.close()
+        loop.close()
+        dw.close()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_port_in_use_fails_within_a_second(engines: tuple[HostEngine, HostEngine]) -> None:
+    _, de = engines
+    d = make_decode(de, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(BindError, match=r"P1.*in use") as info:
+            DecodeWorker(DecodeCore(0, 1, d.layouts), de, port)
+        assert time.monotonic() - t0 < 1.0
+        assert f"tcp://127.0.0.1:{port}" in str(info.value)
+
+
+def _dealer(ctx: zmq.Context, port: int, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def _recv(sock: zmq.Socket, timeout: float = WAIT) -> bytes:
+    assert sock.poll(int(timeout * 1000)), "no reply within the bound"
+    frames = [f for f in sock.recv_multipart() if f]
+    assert len(frames) == 1
+    return frames[0]
+
+
+def test_malformed_frames_are_answered_and_the_reader_survives(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path) -> None:
+    """W5: garbage gets READ_FAILED where a layer is identifiable, never a crash."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    core = DecodeCore(0, 1, d.layouts)
+    tracer = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+    dw = DecodeWorker(core, de, 0, tracer=tracer)
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"garbage-sender")
+    try:
+        # A READY too short to decode, but its layer index is readable: READ_FAILED.
+        sock.send(msgpack.packb([wire.READ_READY_BATCH, 3, "l0"], use_bin_type=True))
+        reply = wire.decode(_recv(sock))
+        assert isinstance(reply, wire.ReadFailed) and reply.layer_idx == 3
+        assert "W5" in reply.error
+        # Wrong framing (two payload frames), undecodable bytes, an unknown kind, a READY
+        # whose layer is not an int: no layer to answer for, so no reply at all ...
+        sock.send_multipart([b"one", b"two"])
+        sock.send(b"\xc1\xff\x00 not msgpack")
+        sock.send(msgpack.packb([b"no_such_kind", 1], use_bin_type=True))
+        sock.send(msgpack.packb([wire.READ_READY_BATCH, "x"], use_bin_type=True))
+        # ... which the next reply proves: it answers the MF_META sent after them (FIFO).
+        meta = wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION,
+                           wire.LAYOUT_VERSION)
+        sock.send(wire.encode(meta))
+        ack = wire.decode_meta_reply(_recv(sock))
+        assert ack.accepted
+        assert dw.stats.bad_framing == 1
+        assert core.stats.rejected_frames == 4  # short READY, garbage, unknown kind, bad layer
+        assert core.stats.replies == {"done": 0, "failed": 1}
+        assert dw._thread.is_alive()
+    finally:
+        sock.close()
+        ctx.term()
+        t0 = time.monotonic()
+        dw.close()
+        assert time.monotonic() - t0 < 2.0
+        tracer.close()
+    # The injected READY came before any MF_META on its connection: the trace says so.
+    report = validate([tmp_path / "d.jsonl"])
+    assert not report.ok and report.divergence is not None
+    assert report.divergence.rule == "W1"
+
+
+def test_wait_for_layer_send_times_out_clearly(engines: tuple[HostEngine, HostEngine]) -> None:
+    """A slot whose reader never answers: a bounded, explicit error, not a hang (S1)."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, destination_wait=WAIT * 3), de, 0)
+    pw = PrefillWorker(p.core())
+    try:
+        pw.add_request("r", params(dw.port), [1], [1])  # never registered on Decode (C1)
+        pw.schedule_chunk("r", 4, True)
+        run_layers(pw, p, 1, [1], [1], 1)
+        t0 = time.monotonic()
+        with pytest.raises(LayerSendTimeout, match=r"S1: layer 0 not writable after 0.3s"):
+            pw.wait_for_layer_send(0, 0.3)
+        assert 0.3 <= time.monotonic() - t0 < 2.0
+    finally:
+        t0 = time.monotonic()
+        pw.close()
+        dw.close()
+        assert time.monotonic() - t0 < 3.0  # a READY still waiting does not hold close()
+
+
+def test_decode_restart_rehandshakes_and_fails_the_outstanding_gate(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path) -> None:
+    """S5 + W1 (known failure 2): Decode restarts on the same port while a READY is
+    outstanding. The gate fails instead of hanging; the next READY goes over a new
+    connection after a new MF_META."""
+    pe, de = engines
+    ptr = Tracer(tmp_path / "p.jsonl", "p0", role="prefill")
+    p = make_prefill(pe, 1, 1, ptr)
+    d = make_decode(de, 1)
+    waiting = threading.Event()
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "awaiting_destinations":
+            waiting.set()
+
+    first = DecodeWorker(DecodeCore(0, 1, d.layouts, destination_wait=WAIT * 3,
+                                    observer=observe), de, 0)
+    port = first.port
+    pw = PrefillWorker(p.core(), tracer=ptr)
+    second = None
+    try:
+        pw.add_request("old", params(port), [1], [1])  # Decode never registers it
+        pw.schedule_chunk("old", 4, True)
+        run_layers(pw, p, 1, [1], [1], 1)
+        assert waiting.wait(WAIT)  # the READY is held on Decode: its gate is outstanding
+        first.close()  # "restart": the process holding the port goes away
+        t0 = time.monotonic()
+        with pytest.raises(LayerSendError, match="S4: layer 0 cannot be written.*S5"):
+            pw.wait_for_layer_send(0, WAIT)
+        assert time.monotonic() - t0 < WAIT
+
+        dtr = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+        core2 = DecodeCore(0, 1, d.layouts, observer=dtr)
+        second = DecodeWorker(core2, de, port, tracer=dtr, on_finished=d.on_finished)
+        loop = AgreementLoop(SingleRankGroup())
+        second._on_ready = loop.notify
+        loop.start(second, until=lambda agreed: "new" in agreed)
+        pw.add_request("new", params(port), [2], [2])
+        second.register_request("new", [4], [5])
+        pw.schedule_chunk("new", 4, True)
+        pw.begin_layer(0)  # the failed gate was observed above; the slot is free
+        p.write(0, 7, [2], [2])
+        pw.layer_written(0, None)
+        assert d.wait_finished("new").ok
+        d.check(0, 7, [4], [5])
+        assert len(core2.connections) == 1  # the restarted Decode got MF_META again (W1)
+        assert pw.drain(WAIT) == []
+        loop.close()
+    finally:
+        pw.close()
+        if second is not None:
+            second.close()
+        ptr.close()
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    metas = [r["conn"] for r in records if r["k"] == "msg" and r.get("kind") == "mf_meta"]
+    conns = [r for r in records if r["k"] == "conn"]
+    assert len(metas) == 2 and metas[0] != metas[1]  # one handshake per connection
+    assert [c["ev"] for c in conns] == ["open", "lost", "open", "close"]
+    dtr.close()
+    report = validate([tmp_path / "p.jsonl", tmp_path / "d.jsonl"])
+    assert report.ok, report.summary()
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def test_summarize_reads_kind_and_layer_only() -> None:
+    ready = wire.encode(wire.ReadReadyBatch(5, "l5", (), (), 0, 1))
+    assert summarize(ready) == ("read_ready_batch", 5)
+    assert summarize(wire.encode(wire.ReadFailed(2, "x"))) == ("read_failed", 2)
+    assert summarize(wire.encode(wire.ReadDone(7))) == ("read_done", 7)
+    assert summarize(wire.RAW_ACK) == ("ack", None)
+    assert summarize(b"\xc1") == ("malformed", None)
+    assert summarize(msgpack.packb([b"read_done", "seven"])) == ("read_done", None)
+
+
+def _trace(path: Path, role: str, **info: Any) -> Tracer:
+    return Tracer(path, path.stem, role=role, **info)
+
+
+def test_validate_reports_an_undeclared_transition_with_file_and_line(tmp_path: Path) -> None:
+    t = _trace(tmp_path / "p.jsonl", "prefill")
+    t("prefill_slot", "main@0x1", "start", "", "free", ())
+    t("prefill_slot", "main@0x1", "begin_write", "free", "writing", (0,))
+    t("prefill_slot", "main@0x1", "publish", "writing", "free", (frozenset(),))  # no landing
+    t.close()
+    report = validate([tmp_path / "p.jsonl"])
+    d = report.divergence
+    assert d is not None and d.line == 4 and d.rule == "machines"
+    assert str(d).startswith(f"{tmp_path / 'p.jsonl'}:4: machines:")
+    assert "'publish' is not declared from 'writing'" in d.message
+
+
+@pytest.mark.parametrize("case", ["wrong_source", "final", "no_start", "bad_dest"])
+def test_validate_replays_states(tmp_path: Path, case: str) -> None:
+    t = _trace(tmp_path / "d.jsonl", "decode")
+    t("decode_layer_read", "k", "start", "", "received", ())
+    t("decode_layer_read", "k", "accept", "received", "done", ())
+    if case == "wrong_source":
+        t("decode_layer_read", "j", "start", "", "received", ())
+        t("decode_layer_read", "j", "accept", "reading", "done", ())
+        want, line = "replay is in 'received'", 5
+    elif case == "final":
+        t("decode_layer_read", "k", "reject", "done", "failed", ("e",))
+        want, line = "leaves final state 'done'", 4
+    elif case == "no_start":
+        t("request_status", "r", "read_failed", "registered", "local_failed", ("e",))
+        want, line = "before its start record", 4
+    else:
+        t("request_status", "r", "start", "", "registered", ())
+        t("request_status", "r", "tp_agreed", "registered", "succeeded", (True,))
+        want, line = "not declared from 'registered'", 5
+    t.close()
+    report = validate([tmp_path / "d.jsonl"])
+    assert not report.ok and want in report.divergence.message  # type: ignore[union-attr]
+    assert report.divergence.line == line  # type: ignore[union-attr]
+
+
+def test_validate_cross_process_rules(tmp_path: Path) -> None:
+    ready = wire.encode(wire.ReadReadyBatch(0, "l0", (), (), 0, 1))
+    done = wire.encode(wire.ReadDone(0))
+    meta = wire.encode(wire.MfMeta("h:1", {}, wire.PROTOCOL_VERSION, wire.LAYOUT_VERSION))
+
+    # R2: one Decode rank says succeeded, the other failed.
+    for name, end in (("d0", "succeeded"), ("d1", "failed")):
+        t = _trace(tmp_path / f"{name}.jsonl", "decode")
+        t("request_status", "r", "start", "", "registered", ())
+        t("request_status", "r", "contributor_final", "registered", "local_ok", (0, 1))
+        t("request_status", "r", "tp_agreed", "local_ok", end, (end == "succeeded",))
+        t.close()
+    report = validate([tmp_path / "d0.jsonl", tmp_path / "d1.jsonl"])
+    assert report.divergence is not None and report.divergence.rule == "R2"
+    assert report.divergence.path.endswith("d1.jsonl")
+
+    # W1 on Prefill: READY before MF_META on a connection; S3: a reply with no READY.
+    t = _trace(tmp_path / "p.jsonl", "prefill")
+    t.message("send", "h:1", ready, conn="c1")
+    t.message("recv", "h:1", done, conn="c1")
+    t.message("recv", "h:1", done, conn="c1")
+    t.close()
+    report = validate([tmp_path / "p.jsonl"])
+    assert [d.rule for d in report.divergences] == ["W1", "S3"]
+    assert [d.line for d in report.divergences] == [2, 4]
+
+    # S3 across processes: Prefill sent two READYs on a connection, Decode saw one.
+    t = _trace(tmp_path / "p2.jsonl", "prefill")
+    t.message("send", "h:1", meta, conn="c1")
+    t.message("send", "h:1", ready, conn="c1")
+    t.message("recv", "h:1", done, conn="c1")
+    t.message("send", "h:1", ready, conn="c1")
+    t.message("recv", "h:1", done, conn="c1")
+    t.close()
+    t = _trace(tmp_path / "d2.jsonl", "decode", endpoint="h:1")
+    t.message("recv", "c1", meta)
+    t.message("recv", "c1", ready)
+    t.message("send", "c1", done)
+    t.close()
+    report = validate([tmp_path / "p2.jsonl", tmp_path / "d2.jsonl"])
+    assert report.divergence is not None and report.divergence.rule == "S3"
+    assert "Prefill sent READYs per layer {0: 2}" in report.divergence.message
+
+
+def test_validate_command_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import argparse
+
+    t = _trace(tmp_path / "ok.jsonl", "prefill")
+    t("peer_session", "h:1", "start", "", "disconnected", ())
+    t("peer_session", "h:1", "connect", "disconnected", "handshaking", ())
+    t.close()
+    assert cmd_validate(argparse.Namespace(traces=[str(tmp_path)], json=False)) == 0
+    assert "valid: 1 trace(s)" in capsys.readouterr().out
+    lines = (tmp_path / "ok.jsonl").read_text().splitlines()
+    lines[2] = lines[2].replace('"dst":"handshaking"', '"dst":"established"')
+    (tmp_path / "ok.jsonl").write_text("\n".join(lines) + "\n")
+    assert cmd_validate(argparse.Namespace(traces=[str(tmp_path / "ok.jsonl")],
+                                           json=True)) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["divergences"][0].startswith(
+        f"{tmp_path / 'ok.jsonl'}:3: machines:")

@@ -1,0 +1,185 @@
+"""The sans-IO cores, event by event, with concrete expected actions."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from sfa_rd2h.runtime.actions import IssueRead, RequestReady, Send
+from sfa_rd2h.runtime.decode_core import DecodeCore
+from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.layout import DestLayout
+from sfa_rd2h.spec.topology import tp_mapping
+
+MAIN, IDX = 16, 8
+
+
+def layer_meta(base: int) -> wire.LayerMeta:
+    return wire.LayerMeta((base, base + 4096, base + 8192), (MAIN, MAIN, IDX), (1, 1, 1),
+                          (0, 0, 1), 2, True)
+
+
+LAYERS = {"l0": layer_meta(0x10000), "l1": layer_meta(0x10000)}  # two layers, one slot
+DEST = DestLayout((0x900000, 0x910000, 0x920000), (MAIN, MAIN, IDX), (64, 64, 64), 2, True,
+                  False)
+PARAMS = {"remote_host": "10.0.0.2", "remote_port": 30000, "remote_tp_size": 1}
+
+
+def prefill(p_rank: int = 0, p_tp: int = 1) -> PrefillCore:
+    return PrefillCore(p_rank, tp_mapping(p_tp, 1), f"10.0.0.1:{1000 + p_rank}", LAYERS,
+                       block_size=4)
+
+
+def decode(**kw) -> DecodeCore:
+    return DecodeCore(0, 1, {"l0": DEST, "l1": DEST}, **kw)
+
+
+def sends(actions) -> list[bytes]:
+    return [a.payload for a in actions if isinstance(a, Send)]
+
+
+def test_prefill_handshakes_once_then_sends_ready():  # W1, C4, P2
+    p = prefill()
+    assert p.add_request("r1", PARAMS, [5, 6, 7], [1, 2, 3]) == "10.0.0.2:30000"
+    p.schedule_chunk("r1", 10, final=True)  # 10 tokens: 2 full blocks + 1 partial (C2)
+    assert p.layer_writable(0)
+    assert p.begin_layer(0, 0.0) == []
+    [meta] = sends(p.layer_landed(0, 0.0))
+    assert isinstance(wire.decode(meta), wire.MfMeta)  # READY held until the ACK
+    [ready] = sends(p.on_frame("10.0.0.2:30000", wire.RAW_ACK, 0.0))
+    msg = wire.decode(ready)
+    assert msg == wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r1", (5, 6, 7), (1, 2, 3), 0, 0),),
+                                      (), 0, 1)
+    assert not p.layer_writable(1)  # S1: layer 1 shares the slot and waits for the reply
+    p.on_frame("10.0.0.2:30000", wire.encode(wire.ReadDone(0)), 0.0)
+    assert p.layer_writable(1)
+
+
+def test_duplicate_reply_is_stale_and_peer_loss_fails_the_gate():  # S5, S4
+    p = prefill()
+    p.add_request("r1", PARAMS, [5], [1])
+    p.schedule_chunk("r1", 4, final=True)
+    p.begin_layer(0, 0.0)
+    p.layer_landed(0, 0.0)
+    p.on_frame("10.0.0.2:30000", wire.RAW_ACK, 0.0)
+    p.on_frame("10.0.0.2:30000", wire.encode(wire.ReadDone(0)), 0.0)
+    p.on_frame("10.0.0.2:30000", wire.encode(wire.ReadDone(0)), 0.0)
+    assert p.stale_replies == 1
+    p.begin_layer(1, 0.0)
+    [ready] = sends(p.layer_landed(1, 0.0))
+    assert wire.decode(ready).done_ext_ids == ("r1",)
+    p.peer_gone("10.0.0.2:30000", 1.0)
+    with pytest.raises(LayerSendError, match="S4: layer 0 cannot be written.*S5: peer lost"):
+        p.layer_writable(0)
+    assert p.layer_writable(0)  # the error was observed once; the slot is usable again
+
+
+def test_prefill_rejects_bad_params_and_malformed_replies():  # C1, W3
+    p = prefill()
+    with pytest.raises(ProtocolError, match="remote_port"):
+        p.add_request("r1", {"remote_host": "h", "remote_tp_size": 1}, [1], [1])
+    with pytest.raises(ProtocolError, match="T1"):
+        p.add_request("r2", dict(PARAMS, remote_tp_size=2), [1], [1])
+    p.add_request("r3", PARAMS, [1], [1])  # no remote_cached_tokens: defaults to 0 (fm 7)
+    p.schedule_chunk("r3", 4, True)
+    p.begin_layer(0, 0.0)
+    p.layer_landed(0, 0.0)
+    with pytest.raises(ProtocolError):
+        p.on_frame("10.0.0.2:30000", b"\xc1garbage", 0.0)
+    assert p.endpoints["10.0.0.2:30000"].session.state == "handshaking"  # unchanged
+
+
+def test_version_mismatch_is_refused_at_handshake():  # F3
+    d = decode()
+    future = wire.MfMeta("p:1", LAYERS, wire.PROTOCOL_VERSION + 1, wire.LAYOUT_VERSION)
+    [reply] = sends(d.on_frame("p0", wire.encode(future), 0.0))
+    ack = wire.decode(reply)
+    assert not ack.accepted and "protocol version 2 from prefill, decode speaks 1" in ack.error
+    p = prefill()
+    p.add_request("r1", PARAMS, [1], [1])
+    p.schedule_chunk("r1", 4, True)
+    p.begin_layer(0, 0.0)
+    p.layer_landed(0, 0.0)
+    p.on_frame("10.0.0.2:30000", reply, 0.0)
+    assert p.endpoints["10.0.0.2:30000"].session.state == "refused"
+    with pytest.raises(LayerSendError, match="F3"):
+        p.layer_writable(1)
+
+
+def ready(layer=0, reqs=(("r1", (5, 6), (1, 2), 0, 0),), done=(), member=0, ratio=1):
+    return wire.encode(wire.ReadReadyBatch(layer, f"l{layer}",
+                                           tuple(wire.ReadReq(*r) for r in reqs), done,
+                                           member, ratio))
+
+
+def test_decode_reads_once_and_replies_once():  # C4, S3, R1
+    d = decode()
+    d.register_request("r1", [10, 11, 12], [20, 21, 22], 0.0)
+    assert sends(d.on_frame("p0", wire.encode(wire.MfMeta("10.0.0.1:1000", LAYERS)), 0.0)) \
+        == [wire.RAW_ACK]  # a legacy 3-field MF_META gets the raw ACK
+    [read] = d.on_frame("p0", ready(done=("r1",)), 0.0)
+    assert isinstance(read, IssueRead) and read.session == "10.0.0.1:1000"
+    # main K and V each coalesce to one run (ids 5,6 -> 10,11), indexer too (1,2 -> 20,21)
+    assert read.plan.lengths.tolist() == [2 * MAIN, 2 * MAIN, 2 * IDX]
+    assert read.plan.local_addrs.tolist()[0] == 0x900000 + 10 * MAIN
+    actions = d.read_result(read.read_id, 0, 0.0)
+    assert sends(actions) == [wire.encode(wire.ReadDone(0))]
+    assert RequestReady("r1", True) in actions
+    assert d.apply_agreement("r1", True)[0].ok
+
+
+def test_decode_rejects_with_read_failed_and_leaves_destinations_alone():  # W1, L1, W5
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    [no_meta] = sends(d.on_frame("p0", ready(), 0.0))
+    assert "W1" in wire.decode(no_meta).error
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", {
+        "l0": wire.LayerMeta((0, 4096, 8192), (MAIN * 2, MAIN, IDX), (1, 1, 1), (0, 0, 1), 2,
+                             True)})), 0.0)
+    [mismatch] = sends(d.on_frame("p0", ready(), 0.0))
+    assert "L1: main tensor 0" in wire.decode(mismatch).error
+    bad = msgpack.packb([wire.READ_READY_BATCH, 1, "l1", [["r1", [-1], [], 0, 0]], [], 0, 1],
+                        use_bin_type=True)
+    [malformed] = sends(d.on_frame("p0", bad, 0.0))
+    failed = wire.decode(malformed)
+    assert failed.layer_idx == 1 and failed.error.startswith("W5")
+    assert d.on_frame("p0", b"\x00\x01", 0.0) == []  # no layer to answer: counted, dropped
+    assert d.stats.rejected_frames == 2
+    assert d.local_outcome("r1") is False  # R5: the request failed once
+
+
+def test_decode_waits_for_late_registration_and_expires():  # C1 (known failure 5)
+    d = decode(destination_wait=5.0)
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    assert d.on_frame("p0", ready(), 0.0) == []
+    assert d.next_deadline() == 5.0
+    [read] = d.register_request("r1", [10, 11], [20, 21], 1.0)
+    assert isinstance(read, IssueRead)
+    assert d.on_frame("p0", ready(reqs=(("r2", (1,), (1,), 0, 0),)), 2.0) == []
+    [reply] = sends(d.tick(7.0))
+    assert "C1: destinations of r2 not registered" in wire.decode(reply).error
+    d.register_request("r2", [1], [1], 8.0)
+    assert d.local_outcome("r2") is False  # it was failed before it was registered
+
+
+def test_zero_block_member_still_acknowledges():  # T4, S3
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p1", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    [reply] = sends(d.on_frame("p1", ready(reqs=(("r1", (), (), 0, 0),), member=1, ratio=2),
+                               0.0))
+    assert reply == wire.encode(wire.ReadDone(0))
+
+
+def test_conflicting_ratios_fail_the_request():  # R1, T1 (known failure 3)
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    for peer in ("p0", "p1"):
+        d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    d.on_frame("p0", ready(reqs=(("r1", (), (), 0, 0),), done=("r1",), member=0, ratio=1), 0.0)
+    assert d.requests["r1"].status.state == "local_ok"
+    d.on_frame("p1", ready(reqs=(("r1", (), (), 0, 0),), member=1, ratio=2), 0.0)
+    assert d.local_outcome("r1") is False
+    assert "tp_ratio=2" in d.requests["r1"].status.error
