@@ -445,7 +445,11 @@ def _prefill_rank(plan: _Plan, rank: int, chan: _Channel, peers: list[Connection
             while admitted < plan.n or active:
                 jobs = []
                 if not active:
-                    jobs.append(arrivals.get(timeout=cfg.timeout))
+                    try:
+                        jobs.append(arrivals.get(timeout=cfg.timeout))
+                    except queue.Empty:
+                        raise TimeoutError(f"prefill0: only {admitted} of {plan.n} requests "
+                                           f"dispatched within {cfg.timeout:g}s") from None
                 while True:
                     try:
                         jobs.append(arrivals.get_nowait())
@@ -716,7 +720,12 @@ def _decode_rank(plan: _Plan, rank: int, chan: _Channel, peers: list[Connection]
     with stack:
         deadline = time.monotonic() + cfg.timeout
         while len(outcomes) < plan.n:
-            item = finished.get(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                item = finished.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(plan.index) - set(outcomes))
+                raise TimeoutError(f"decode{rank}: no terminal state within "
+                                   f"{cfg.timeout:g}s for {missing}") from None
             if isinstance(item, BaseException):
                 raise RuntimeError(f"decode scheduler failed:\n{failure[0]}")
             outcomes[item.ext_req_id] = (item.ok, item.error)

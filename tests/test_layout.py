@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sfa_rd2h.spec.errors import LayoutError, ProtocolError
 from sfa_rd2h.spec.layout import (
     DestLayout,

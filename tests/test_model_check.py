@@ -69,7 +69,8 @@ def test_explorer_count_is_pinned():
 
 def test_explorer_finds_a_seeded_bug():
     with pytest.raises(InvariantViolation, match="S3"):
-        explore(DEFAULT_SCOPE, cluster_factory=lambda s: Cluster(s, decode_cls=mutants.SilentEmptyLayer))
+        explore(DEFAULT_SCOPE,
+                cluster_factory=lambda s: Cluster(s, decode_cls=mutants.SilentEmptyLayer))
 
 
 def test_checker_passes_on_the_correct_cores():

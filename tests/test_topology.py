@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sfa_rd2h.spec.errors import ProtocolError, TopologyError
 from sfa_rd2h.spec.topology import (
     Share,

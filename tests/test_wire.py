@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from sfa_rd2h.spec.errors import ProtocolError, VersionMismatch, WireError
 from sfa_rd2h.spec.wire import (
     LAYOUT_VERSION,
