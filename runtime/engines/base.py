@@ -306,6 +306,29 @@ class TransferEngine(abc.ABC):
         self.last_error = f"{code.name}: {reason}"
         return int(code)
 
+    def _preflight(
+        self, session: Any, local_addrs: Any, peer_addrs: Any, lengths: Any, regions: RegionSet
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | int:
+        """The checks every engine makes before a batch: well-formed descriptors, a
+        ``host:port`` session, destinations inside locally registered memory. Returns the
+        descriptor arrays, or the failure code (already recorded in ``last_error``)."""
+        try:
+            local, peer, n = descriptor_arrays(local_addrs, peer_addrs, lengths)
+        except BatchError as exc:
+            return self._fail(TransferResult.BAD_DESCRIPTORS, str(exc))
+        if parse_session(session) is None:
+            return self._fail(TransferResult.BAD_SESSION, f"{session!r} is not host:port")
+        if local.size:
+            ok, _ = regions.table().locate(local, n)
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                return self._fail(
+                    TransferResult.LOCAL_RANGE,
+                    f"descriptor {i}: destination [0x{int(local[i]):x}, +{int(n[i])}) is not "
+                    f"inside memory registered with the {self.name} engine",
+                )
+        return local, peer, n
+
     def __enter__(self) -> TransferEngine:
         return self
 

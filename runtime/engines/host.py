@@ -45,7 +45,6 @@ import msgpack
 import numpy as np
 
 from sfa_rd2h.runtime.engines.base import (
-    BatchError,
     EngineConfigError,
     EngineError,
     EngineUnavailable,
@@ -56,7 +55,6 @@ from sfa_rd2h.runtime.engines.base import (
     TransferResult,
     check_region,
     coalesce,
-    descriptor_arrays,
     parse_session,
 )
 
@@ -623,23 +621,13 @@ class HostEngine(TransferEngine):
     ) -> int:
         if self._closed:
             return self._fail(TransferResult.CLOSED, "host engine is closed")
-        try:
-            local, peer, n = descriptor_arrays(local_addrs, peer_addrs, lengths)
-        except BatchError as exc:
-            return self._fail(TransferResult.BAD_DESCRIPTORS, str(exc))
+        checked = self._preflight(session, local_addrs, peer_addrs, lengths, self._regions)
+        if isinstance(checked, int):
+            return checked
+        local, peer, n = checked
         target = parse_session(session)
-        if target is None:
-            return self._fail(TransferResult.BAD_SESSION, f"{session!r} is not host:port")
         if local.size == 0:
             return int(TransferResult.OK)
-        ok, _ = self._regions.table().locate(local, n)
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            return self._fail(
-                TransferResult.LOCAL_RANGE,
-                f"descriptor {i}: destination [0x{int(local[i]):x}, +{int(n[i])}) is not inside "
-                f"memory registered with this engine",
-            )
 
         # Validate against the cached view; a miss or a moved generation earns one refresh.
         view: _PeerView | None = None

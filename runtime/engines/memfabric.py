@@ -40,10 +40,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from sfa_rd2h.runtime.engines.base import (
-    BatchError,
     EngineConfigError,
     EngineError,
     EngineUnavailable,
@@ -53,8 +50,6 @@ from sfa_rd2h.runtime.engines.base import (
     TransferResult,
     check_region,
     coalesce,
-    descriptor_arrays,
-    parse_session,
 )
 
 _ROLES = {"prefill": "Prefill", "decode": "Decode"}
@@ -268,22 +263,12 @@ class MemFabricEngine(TransferEngine):
         b = self._binding
         if b is None:
             return self._fail(TransferResult.CLOSED, "MemFabric engine is not initialised")
-        try:
-            local, peer, n = descriptor_arrays(local_addrs, peer_addrs, lengths)
-        except BatchError as exc:
-            return self._fail(TransferResult.BAD_DESCRIPTORS, str(exc))
-        if parse_session(session) is None:
-            return self._fail(TransferResult.BAD_SESSION, f"{session!r} is not host:port")
+        checked = self._preflight(session, local_addrs, peer_addrs, lengths, b.regions)
+        if isinstance(checked, int):
+            return checked
+        local, peer, n = checked
         if local.size == 0:
             return int(TransferResult.OK)
-        ok, _ = b.regions.table().locate(local, n)
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            return self._fail(
-                TransferResult.LOCAL_RANGE,
-                f"descriptor {i}: destination [0x{int(local[i]):x}, +{int(n[i])}) is not "
-                f"inside memory registered with MemFabric",
-            )
         local, peer, n = coalesce(local, peer, n)
         try:
             ret = b.engine.batch_transfer_sync_read(

@@ -23,10 +23,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from sfa_rd2h.runtime.engines.base import (
-    BatchError,
     EngineError,
     EngineUnavailable,
     RegionSet,
@@ -35,8 +32,6 @@ from sfa_rd2h.runtime.engines.base import (
     TransferResult,
     check_region,
     coalesce,
-    descriptor_arrays,
-    parse_session,
 )
 
 
@@ -130,22 +125,12 @@ class MooncakeEngine(TransferEngine):
     ) -> int:
         if self._engine is None:
             return self._fail(TransferResult.CLOSED, "Mooncake engine is not initialised")
-        try:
-            local, peer, n = descriptor_arrays(local_addrs, peer_addrs, lengths)
-        except BatchError as exc:
-            return self._fail(TransferResult.BAD_DESCRIPTORS, str(exc))
-        if parse_session(session) is None:
-            return self._fail(TransferResult.BAD_SESSION, f"{session!r} is not host:port")
+        checked = self._preflight(session, local_addrs, peer_addrs, lengths, self._regions)
+        if isinstance(checked, int):
+            return checked
+        local, peer, n = checked
         if local.size == 0:
             return int(TransferResult.OK)
-        ok, _ = self._regions.table().locate(local, n)
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            return self._fail(
-                TransferResult.LOCAL_RANGE,
-                f"descriptor {i}: destination [0x{int(local[i]):x}, +{int(n[i])}) is not "
-                f"inside memory registered with Mooncake",
-            )
         local, peer, n = coalesce(local, peer, n)
         try:
             ret = self._engine.batch_transfer_sync_read(
