@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine as conjecture_engine
+from hypothesis.reporting import with_reporter
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -215,7 +216,10 @@ def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCo
             conf = settings(base, max_examples=batch)
             seeded = seed(seed_value * 1_000_003 + k)(machine)
             try:
-                run_state_machine_as_test(seeded, settings=conf)
+                # Our own numbered trace replaces hypothesis' report (which would also mix
+                # its shrinking notices into --json output).
+                with with_reporter(lambda _msg: None):
+                    run_state_machine_as_test(seeded, settings=conf)
             except BaseException as exc:  # noqa: BLE001 - any escape is a counterexample
                 first = machine.first_failure
                 return CheckResult(False, examples + batch, time.perf_counter() - start,
