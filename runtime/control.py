@@ -60,7 +60,11 @@ class BindError(ControlPlaneError):
     """The Decode ROUTER could not bind its port (in use, bad address)."""
 
 
-class LayerSendTimeout(ControlPlaneError, TimeoutError):
+class WorkerTimeout(ControlPlaneError, TimeoutError):
+    """A bounded wait on a worker expired; the message says what was still pending."""
+
+
+class LayerSendTimeout(WorkerTimeout):
     """``wait_for_layer_send`` gave up: the slot's readers did not answer in time."""
 
 
@@ -180,7 +184,8 @@ class PrefillWorker:
         if self._closing:
             raise ControlPlaneError("prefill worker is closed")
 
-    def _wait(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str],
+              error: type[WorkerTimeout] = WorkerTimeout) -> None:
         """Wait on the condition (lock held) until ``ready()``; bounded by ``timeout``."""
         deadline = self._clock() + timeout
         while True:
@@ -189,7 +194,7 @@ class PrefillWorker:
                 return
             remaining = deadline - self._clock()
             if remaining <= 0:
-                raise LayerSendTimeout(what())
+                raise error(what())
             self._cond.wait(remaining)
 
     def add_request(self, ext_req_id: str, kv_transfer_params: Mapping[str, Any],
@@ -234,7 +239,8 @@ class PrefillWorker:
             return f"S1: layer {layer_idx} not writable after {timeout}s: {held}"
 
         with self._cond:
-            self._wait(lambda: self.core.layer_writable(layer_idx), timeout, pending)
+            self._wait(lambda: self.core.layer_writable(layer_idx), timeout, pending,
+                       LayerSendTimeout)
 
     def begin_layer(self, layer_idx: int) -> None:
         """The compute thread is about to scatter this layer's KV (S1)."""
@@ -254,7 +260,7 @@ class PrefillWorker:
 
     def drain(self, timeout: float) -> list[str]:
         """Wait until every queued layer is published and every slot answered, then observe
-        held failures (S4). Returns their messages, one per failed layer."""
+        held failures (S4). Returns their messages, one per failed physical slot group."""
         def settled() -> bool:
             return not self._tasks and not self._busy and all(
                 g.state in ("free", "failed") for g in self.core.gates.values())
@@ -291,7 +297,7 @@ class PrefillWorker:
             # The sender is stuck in a device event; its sockets are still in use, so the
             # context cannot be terminated under it.
             raise ControlPlaneError(f"prefill sender thread did not stop within {timeout}s")
-        if self._own_ctx:
+        if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
     def __enter__(self) -> PrefillWorker:
@@ -626,7 +632,7 @@ class DecodeWorker:
         self._wake.close_tx()
         if alive:
             raise ControlPlaneError(f"decode reader thread did not stop within {timeout}s")
-        if self._own_ctx:
+        if self._own_ctx and not self._ctx.closed:
             self._ctx.term()
 
     def __enter__(self) -> DecodeWorker:

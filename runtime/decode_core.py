@@ -138,7 +138,7 @@ class DecodeCore:
 
     def _fail_request(self, ext_req_id: str, error: str) -> list[Action]:
         req = self.requests.get(ext_req_id)
-        if req is None or req.status.state != "registered":
+        if req is None or not self._requests.can(req.status, "read_failed"):
             return []
         self._requests.fire(req.status, "read_failed", error)
         return self._maybe_ready(req)
@@ -322,7 +322,7 @@ class DecodeCore:
                 actions.append(Send(ready.peer, wire.encode(wire.ReadDone(read.layer_idx))))
             for ext in msg.done_ext_ids:
                 req = self.requests.get(ext)
-                if req is None or req.status.state not in ("registered", "local_ok"):
+                if req is None or not self._requests.can(req.status, "contributor_final"):
                     continue
                 self._requests.fire(req.status, "contributor_final",
                                     *self._final_signal(req, msg))

@@ -904,6 +904,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     from sfa_rd2h.runtime.trace import validate
 
     cfg.check()
+    if cfg.kv_port is not None:
+        _check_ports_free(cfg.host, cfg.kv_port, cfg.d_tp)
     try:  # fail here, with the engine's own message, if it cannot exist on this machine
         make_engine(cfg.engine, **_engine_kwargs(cfg.engine, "decode")).close()
     except EngineError as exc:
@@ -912,8 +914,6 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     work = make_workload(cfg)
     total_blocks = sum(n_blocks(t, cfg.block_tokens) for t in work.tokens.values())
     tb = tensor_bytes(cfg.block_tokens, cfg.indexer, cfg.scale)
-    if cfg.kv_port is not None:
-        _check_ports_free(cfg.host, cfg.kv_port, cfg.d_tp)
     base_port = cfg.kv_port if cfg.kv_port is not None else _free_span(cfg.host, cfg.d_tp)
     decode_base_port(base_port, 0, cfg.d_tp)
     ports = [decode_rank_port(base_port, d, cfg.d_tp) for d in range(cfg.d_tp)]

@@ -25,6 +25,7 @@ from sfa_rd2h.runtime.actions import RequestFinished
 from sfa_rd2h.runtime.control import (
     AgreementLoop,
     BindError,
+    ControlPlaneError,
     DecodeWorker,
     LayerSendTimeout,
     PrefillWorker,
@@ -499,3 +500,20 @@ def test_validate_command_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and out["divergences"][0].startswith(
         f"{tmp_path / 'ok.jsonl'}:3: machines:")
+
+
+def test_close_is_idempotent_and_api_after_close_is_refused(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    pw = PrefillWorker(p.core())
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0)
+    for _ in range(2):
+        pw.close()
+        dw.close()
+    with pytest.raises(ControlPlaneError, match="closed"):
+        pw.begin_layer(0)
+    with pytest.raises(ControlPlaneError, match="closed"):
+        dw.register_request("r", [1], [1])
+    assert not pw._thread.is_alive() and not dw._thread.is_alive()
