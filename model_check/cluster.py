@@ -444,7 +444,11 @@ class Cluster:
                 inv.check_w1_meta_before_ready((p, d) in self.ghost.meta_seen, f"P{p}->D{d}",
                                                msg.layer_idx)
                 for e in msg.read_reqs:
-                    self.ghost.ratios.setdefault((d, e.ext_req_id), set()).add(msg.tp_ratio)
+                    # R1 asks what Decode must have checked before local completion.
+                    req = self.decode[d].requests.get(e.ext_req_id)
+                    if req is None or req.status.state == "registered":
+                        self.ghost.ratios.setdefault((d, e.ext_req_id), set()).add(
+                            msg.tp_ratio)
                 for ext in msg.done_ext_ids:
                     self.ghost.finals.setdefault((d, ext), set()).add(msg.group_member_idx)
                 if msg.done_ext_ids:

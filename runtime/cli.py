@@ -238,8 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
     p.set_defaults(func=cmd_mutants)
 
+    from sfa_rd2h.runtime.demo import add_demo_parser
     from sfa_rd2h.runtime.probe import add_probe_parser
+    from sfa_rd2h.runtime.trace import add_validate_parser
 
+    add_demo_parser(sub)
+    add_validate_parser(sub)
     add_probe_parser(sub)
 
     p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")

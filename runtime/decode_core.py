@@ -193,27 +193,13 @@ class DecodeCore:
             self._validate_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
-        actions: list[Action] = []
-        missing = set()
-        for entry in msg.read_reqs:
-            ext = entry.ext_req_id
-            req = self.requests.get(ext)
-            if req is None:
-                if ext not in self.terminal and ext not in self._failed_unregistered:
-                    missing.add(ext)
-                continue
-            if req.ratio is None:
-                req.ratio = msg.tp_ratio
-            elif self._ratio_conflict(req, msg) and self._requests.can(req.status,
-                                                                      "ratio_conflict"):
-                # A mixed deployment: fail the request even if it looked complete (R1, T1).
-                self._requests.fire(req.status, "ratio_conflict",
-                                    f"T1: contributor {msg.group_member_idx} reports tp_ratio="
-                                    f"{msg.tp_ratio}, request already has tp_ratio={req.ratio}")
-                actions += self._maybe_ready(req)
+        missing = frozenset(
+            e.ext_req_id for e in msg.read_reqs
+            if e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
+            and e.ext_req_id not in self._failed_unregistered)
         if missing:
-            return actions + self._await_destinations(ready, frozenset(missing), now)
-        return actions + self._plan(ready, now)
+            return self._await_destinations(ready, missing, now)
+        return self._plan(ready, now)
 
     # Hooks: the model checker's seeded bugs override these, nothing else does.
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
@@ -259,15 +245,28 @@ class DecodeCore:
     def _must_reply(self, ready: _Ready) -> bool:
         return True
 
-    def _live_entries(self, msg: wire.ReadReadyBatch) -> list[wire.ReadReq]:
-        live = []
+    def _live_entries(self, msg: wire.ReadReadyBatch) -> tuple[list[wire.ReadReq], list[Action]]:
+        """The entries still to be written, after the contributor's ratio is checked against
+        what earlier contributors of each request said (R1, T1; known failure 3). Requests
+        that are locally complete or failed take no more writes (R5)."""
+        live: list[wire.ReadReq] = []
+        actions: list[Action] = []
         for entry in msg.read_reqs:
             req = self.requests.get(entry.ext_req_id)
             if req is not None and self._is_live(req):
+                if req.ratio is None:
+                    req.ratio = msg.tp_ratio
+                elif self._ratio_conflict(req, msg):
+                    self._requests.fire(
+                        req.status, "ratio_conflict",
+                        f"T1: contributor {msg.group_member_idx} reports tp_ratio="
+                        f"{msg.tp_ratio}, request already has tp_ratio={req.ratio}")
+                    actions += self._maybe_ready(req)
+                    continue
                 live.append(entry)
             else:
                 self.stats.skipped_entries += 1
-        return live
+        return live, actions
 
     def _plan(self, ready: _Ready, now: float) -> list[Action]:
         """Build one batched read for every live request of the layer (C4, L1)."""
@@ -277,24 +276,24 @@ class DecodeCore:
             return self._reject(ready, "W1: connection lost its MF_META while waiting")
         src = meta.layers[msg.layer_name]
         dst = self.dest_layouts[msg.layer_name]
-        live = self._live_entries(msg)
+        live, actions = self._live_entries(msg)
         plans: list[ReadPlan] = []
         try:
             for entry in live:
                 plans.append(self._plan_entry(src, dst, self.requests[entry.ext_req_id], entry))
         except ProtocolError as exc:
-            return self._reject(ready, str(exc))
+            return actions + self._reject(ready, str(exc))
         plan = concat(plans) if plans else ReadPlan.empty()
         ready.live = tuple(e.ext_req_id for e in live)
         ready.read.n_reads = len(plan)
         self._reads.fire(ready.read, "accept")
         if ready.read.state == "done":
-            return self._finish(ready)
+            return actions + self._finish(ready)
         read_id = next(self._read_ids)
         self._inflight[read_id] = ready
         for ext in ready.live:
             self.requests[ext].inflight += 1
-        return [IssueRead(read_id, meta.p_session, plan)]
+        return actions + [IssueRead(read_id, meta.p_session, plan)]
 
     def read_result(self, read_id: int, result: int, now: float) -> list[Action]:
         """The batched read ``read_id`` returned ``result`` (0 = every byte landed, F2)."""

@@ -106,7 +106,8 @@ class Tracer:
     def __init__(self, path: str | os.PathLike[str], process_name: str, **info: Any) -> None:
         self.path = Path(path)
         self.process_name = process_name
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the buffer only; held for an append
+        self._flush_lock = threading.Lock()  # serialises file writes, so records keep order
         self._buf: list[str] = []
         self._closed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,27 +118,37 @@ class Tracer:
     def _t(self) -> float:
         return round(time.monotonic() - self._t0, 6)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any], *, may_flush: bool = True) -> None:
         line = json.dumps(record, separators=(",", ":"), default=str)
-        flush: list[str] | None = None
         with self._lock:
             if self._closed:
                 return
             self._buf.append(line)
-            if len(self._buf) >= _FLUSH_LINES:
-                flush, self._buf = self._buf, []
-                # Written under the lock so records stay in order across threads; the file
-                # is local and buffered, this is not network I/O.
-                self._file.write("\n".join(flush) + "\n")
+            full = len(self._buf) >= _FLUSH_LINES
+        if full and may_flush:
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._flush_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                lines, self._buf = self._buf, []
+            if lines:
+                self._file.write("\n".join(lines) + "\n")
 
     def __call__(self, machine: str, key: str, event: str, source: str, dest: str,
                  args: tuple) -> None:
-        """The ``statemachines.engine`` observer hook."""
+        """The ``statemachines.engine`` observer hook.
+
+        Cores call it under their worker's lock, so it only appends to the buffer; the
+        file is written from the frame and connection records, which come outside it.
+        """
         record: dict[str, Any] = {"k": "tr", "t": self._t(), "m": machine, "key": key,
                                   "ev": event, "src": source, "dst": dest}
         if args:
             record["a"] = [_arg(a) for a in args]
-        self._write(record)
+        self._write(record, may_flush=False)
 
     def message(self, direction: str, peer: str, payload: bytes, *,
                 conn: str | None = None) -> None:
@@ -160,14 +171,15 @@ class Tracer:
 
     def close(self) -> None:
         """Flush everything and mark the process as cleanly closed. Idempotent."""
-        self._write({"k": "close", "t": self._t()})
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._buf:
-                self._file.write("\n".join(self._buf) + "\n")
-                self._buf = []
+        self._write({"k": "close", "t": self._t()}, may_flush=False)
+        with self._flush_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                lines, self._buf = self._buf, []
+            if lines:
+                self._file.write("\n".join(lines) + "\n")
             self._file.close()
 
     def __enter__(self) -> Tracer:
@@ -200,6 +212,7 @@ class Report:
     transitions: int = 0
     messages: int = 0
     divergences: list[Divergence] = field(default_factory=list)
+    unclosed: list[str] = field(default_factory=list)  # no close record: did not shut down
 
     @property
     def ok(self) -> bool:
@@ -217,7 +230,8 @@ class Report:
         head = (f"{self.files} trace(s), {self.records} records, {self.transitions} "
                 f"transitions, {self.messages} messages")
         if self.ok:
-            return f"valid: {head}"
+            tail = f"; not closed cleanly: {self.unclosed}" if self.unclosed else ""
+            return f"valid: {head}{tail}"
         more = len(self.divergences) - 1
         tail = f" (+{more} more)" if more else ""
         return f"DIVERGENCE: {self.divergence}{tail}\n  in {head}"
@@ -311,8 +325,12 @@ class _Validator:
                     f.closed = True
                 else:
                     self.fail(path, line_no, "trace", f"unknown record kind {kind!r}")
+        if f.last_line == 0:
+            self.fail(path, 0, "trace", "empty: the process never flushed its trace")
         if f.closed:
             self._end_of_file(f)
+        else:
+            self.report.unclosed.append(path)
 
     def _transition(self, f: _File, states: dict[tuple[str, str], str], line: int,
                     rec: dict[str, Any]) -> None:

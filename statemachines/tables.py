@@ -170,12 +170,11 @@ REQUEST_STATUS = MachineSpec(
           conditions=("others_outstanding",), before=("record_final",)),
         T("contributor_final", "registered", "local_ok", ("R1", "T4"),
           before=("record_final",)),
-        T("contributor_final", "local_ok", "local_ok", ("R4",), conditions=("already_final",)),
-        T("contributor_final", "local_ok", "local_failed", ("R1", "T1"),
-          unless=("ratio_consistent",), before=("record_ratio_conflict",)),
+        # Once local completion was reached (and possibly reported to the TP group) it
+        # stands: later signals change nothing, and no byte is written any more (R2, R5).
+        T("contributor_final", "local_ok", "local_ok", ("R4", "R2")),
         T("contributor_final", "local_failed", "local_failed", ("R5",)),
         T("ratio_conflict", "registered", "local_failed", ("R1", "T1"), before=("record_error",)),
-        T("ratio_conflict", "local_ok", "local_failed", ("R1", "T1"), before=("record_error",)),
         T("ratio_conflict", "local_failed", "local_failed", ("R5",)),
         T("read_failed", "registered", "local_failed", ("R5", "F2"), before=("record_error",)),
         T("read_failed", "local_failed", "local_failed", ("R5",)),

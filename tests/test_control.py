@@ -517,3 +517,92 @@ def test_close_is_idempotent_and_api_after_close_is_refused(
     with pytest.raises(ControlPlaneError, match="closed"):
         dw.register_request("r", [1], [1])
     assert not pw._thread.is_alive() and not dw._thread.is_alive()
+
+
+def test_tracer_keeps_every_record_in_order_across_threads(tmp_path: Path) -> None:
+    t = _trace(tmp_path / "x.jsonl", "prefill")
+    done = wire.encode(wire.ReadDone(0))
+
+    def writer(n: int) -> None:
+        for i in range(700):  # crosses the flush threshold many times
+            if i % 2:
+                t(f"m{n}", str(i), "ev", "", "", ())
+            else:
+                t.message("recv", f"w{n}", done, conn=str(i))
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(WAIT)
+    t.close()
+    records = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
+    assert records[0]["k"] == "process" and records[-1]["k"] == "close"
+    for n in range(4):
+        seq = [int(r.get("key", r.get("conn"))) for r in records
+               if r.get("m") == f"m{n}" or r.get("peer") == f"w{n}"]
+        assert seq == list(range(700))
+
+
+def test_validate_flags_empty_and_unclosed_traces(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    report = validate([tmp_path / "empty.jsonl"])
+    assert report.divergence is not None and "empty" in report.divergence.message
+    # A process that died mid-run: no close record, so its open READY is not an S3 breach,
+    # but the report says it did not shut down cleanly.
+    t = _trace(tmp_path / "died.jsonl", "decode")
+    t.message("recv", "c1", wire.encode(wire.MfMeta("h:1", {}, wire.PROTOCOL_VERSION,
+                                                    wire.LAYOUT_VERSION)))
+    t.message("recv", "c1", wire.encode(wire.ReadReadyBatch(0, "l0", (), (), 0, 1)))
+    t._flush()  # what a crash leaves: records that reached the file, no close
+    t._file.flush()
+    report = validate([tmp_path / "died.jsonl"])
+    assert report.ok and report.unclosed == [str(tmp_path / "died.jsonl")]
+    assert "not closed cleanly" in report.summary()
+    t.close()
+    report = validate([tmp_path / "died.jsonl"])
+    assert report.divergence is not None and report.divergence.rule == "S3"
+
+
+def test_agreement_loop_cadence_and_merge() -> None:
+    """Rounds are spaced by round_wait when idle (no busy loop), a new outcome starts the
+    next round at once, a failure reported after a success sticks (R4, T1), and the loop
+    ends after the round in which ``until`` holds."""
+    from sfa_rd2h.runtime.actions import RequestReady
+
+    calls: list[tuple[float, dict[str, bool]]] = []
+    cond = threading.Condition()
+
+    class Recording(SingleRankGroup):
+        def agree(self, local: Any) -> dict[str, bool]:
+            with cond:
+                calls.append((time.monotonic(), dict(local)))
+                cond.notify_all()
+            return super().agree(local)
+
+    class Worker:
+        applied: list[tuple[str, bool]] = []
+
+        def apply_agreement(self, ext: str, ok: bool) -> list[RequestFinished]:
+            self.applied.append((ext, ok))
+            return []
+
+    wait = 0.05
+    loop = AgreementLoop(Recording(), round_wait=wait)
+    loop.notify(RequestReady("a", True))
+    loop.notify(RequestReady("a", False))  # e.g. a ratio conflict after local success
+    worker = Worker()
+    loop.start(worker, until=lambda agreed: "b" in agreed)  # type: ignore[arg-type]
+    with cond:
+        assert cond.wait_for(lambda: len(calls) >= 6, WAIT)
+    assert calls[0][1] == {"a": False}
+    assert all(c[1] == {} for c in calls[1:6])
+    gaps = [b[0] - a[0] for a, b in zip(calls[1:6], calls[2:6], strict=False)]
+    assert min(gaps) >= wait * 0.9, gaps  # idle rounds wait for round_wait
+    t0 = time.monotonic()
+    loop.notify(RequestReady("b", True))
+    assert loop.wait(WAIT) and loop.error is None
+    assert time.monotonic() - t0 < WAIT
+    assert worker.applied == [("a", False), ("b", True)]
+    assert loop.agreed == {"a": False, "b": True}
+    assert calls[-1][1] == {"b": True}

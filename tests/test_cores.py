@@ -178,8 +178,20 @@ def test_conflicting_ratios_fail_the_request():  # R1, T1 (known failure 3)
     d.register_request("r1", [10, 11], [20, 21], 0.0)
     for peer in ("p0", "p1"):
         d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-    d.on_frame("p0", ready(reqs=(("r1", (), (), 0, 0),), done=("r1",), member=0, ratio=1), 0.0)
-    assert d.requests["r1"].status.state == "local_ok"
-    d.on_frame("p1", ready(reqs=(("r1", (), (), 0, 0),), member=1, ratio=2), 0.0)
+    d.on_frame("p0", ready(reqs=(("r1", (), (), 0, 0),), member=0, ratio=2), 0.0)
+    d.on_frame("p1", ready(reqs=(("r1", (), (), 0, 0),), done=("r1",), member=0, ratio=1), 0.0)
     assert d.local_outcome("r1") is False
-    assert "tp_ratio=2" in d.requests["r1"].status.error
+    assert "tp_ratio=1" in d.requests["r1"].status.error
+
+
+def test_local_completion_stands_once_reached():  # R2, R5
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    for peer in ("p0", "p1"):
+        d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    d.on_frame("p0", ready(reqs=(("r1", (), (), 0, 0),), done=("r1",), member=0, ratio=1), 0.0)
+    assert d.local_outcome("r1") is True  # may already be on its way to the TP group
+    late = d.on_frame("p1", ready(reqs=(("r1", (5,), (5,), 0, 0),), done=("r1",), member=1,
+                                  ratio=2), 0.0)
+    assert not any(isinstance(a, IssueRead) for a in late)  # no write after completion
+    assert d.local_outcome("r1") is True and d.stats.skipped_entries == 1

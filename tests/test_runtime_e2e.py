@@ -129,6 +129,16 @@ def test_topologies_move_every_byte(tmp_path: Path, p_tp: int, d_tp: int, indexe
 
 
 @pytest.mark.e2e
+def test_shm_mode_prefill_allocates_through_the_engine(tmp_path: Path) -> None:
+    """A shm-mode host engine serves only memory it allocated: Prefill's caches come from
+    the engine instead of torch, and everything still moves and verifies."""
+    result, cfg, _ = run(tmp_path, p_tp=2, d_tp=2, host_mode="shm")
+    assert result.ok, result.summary()
+    assert result.topology["host_mode"] == "shm"
+    assert result.verified and result.bytes == expected_bytes(cfg)
+
+
+@pytest.mark.e2e
 def test_read_failure_fails_exactly_the_victims_step(tmp_path: Path) -> None:
     result, cfg, states = run(tmp_path, p_tp=4, d_tp=2, inject="read-failure")
     work = make_workload(cfg)
