@@ -145,7 +145,56 @@ class _Dealer:
     sent_at: dict[int, float] = field(default_factory=dict)  # layer -> READY sent
 
 
-class PrefillWorker:
+class _Worker:
+    """What both workers share: one I/O thread woken through an inproc socket, a condition
+    that guards the core, and a bounded shutdown."""
+
+    _what = "worker"  # names the thread in errors, e.g. "prefill sender thread"
+    _cond: threading.Condition
+    _closing: bool
+    _failure: BaseException | None
+    _wake: _Wake
+    _thread: threading.Thread
+    _ctx: zmq.Context
+    _own_ctx: bool
+
+    def _start(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:  # pragma: no cover - each worker defines its loop
+        raise NotImplementedError
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise ControlPlaneError(f"{self._what} failed: {self._failure!r}")
+        if self._closing:
+            raise ControlPlaneError(f"{self._what} is closed")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close every socket; the thread is joined within ``timeout``."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._wake.ring()
+        self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        self._wake.close_tx()
+        if alive:
+            # Its sockets are still in use (e.g. a sender stuck in a device event), so the
+            # context cannot be terminated under it.
+            raise ControlPlaneError(f"{self._what} did not stop within {timeout}s")
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    def __enter__(self) -> _Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PrefillWorker(_Worker):
     """Threads and sockets of one Prefill rank around a :class:`PrefillCore`.
 
     Compute-thread API, per step: ``add_request`` for new requests, ``schedule_chunk`` for
@@ -173,17 +222,10 @@ class PrefillWorker:
         self._by_socket: dict[zmq.Socket, tuple[str, bool]] = {}  # -> (endpoint, is_monitor)
         self._poller = zmq.Poller()
         self._seq = itertools.count()
-        self._thread = threading.Thread(target=self._run, name=f"prefill{core.p_rank}-sender",
-                                        daemon=True)
-        self._thread.start()
+        self._what = f"prefill {core.p_rank} sender thread"
+        self._start(f"prefill{core.p_rank}-sender")
 
     # ------------------------------------------------------------------ compute thread
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise ControlPlaneError(f"prefill sender thread failed: {self._failure!r}")
-        if self._closing:
-            raise ControlPlaneError("prefill worker is closed")
-
     def _wait(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str],
               error: type[WorkerTimeout] = WorkerTimeout) -> None:
         """Wait on the condition (lock held) until ``ready()``; bounded by ``timeout``."""
@@ -283,28 +325,6 @@ class PrefillWorker:
     def round_trips(self) -> list[float]:
         with self._cond:
             return list(self.stats.round_trips)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the sender and close every socket; the thread is joined within ``timeout``."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._wake.ring()
-        self._thread.join(timeout)
-        alive = self._thread.is_alive()
-        self._wake.close_tx()
-        if alive:
-            # The sender is stuck in a device event; its sockets are still in use, so the
-            # context cannot be terminated under it.
-            raise ControlPlaneError(f"prefill sender thread did not stop within {timeout}s")
-        if self._own_ctx and not self._ctx.closed:
-            self._ctx.term()
-
-    def __enter__(self) -> PrefillWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ sender thread
     def _run(self) -> None:
@@ -509,7 +529,7 @@ class DecodeStats:
     read_seconds: float = 0.0
 
 
-class DecodeWorker:
+class DecodeWorker(_Worker):
     """The ROUTER and reader thread of one Decode rank around a :class:`DecodeCore`.
 
     Other threads talk to the core through the lock-protected methods below
@@ -573,17 +593,10 @@ class DecodeWorker:
         self.endpoint = f"{shown}:{self.port}"
         if tracer is not None:
             tracer.info(endpoint=self.endpoint)
-        self._thread = threading.Thread(target=self._run, name=f"decode{core.d_rank}-reader",
-                                        daemon=True)
-        self._thread.start()
+        self._what = f"decode {core.d_rank} reader thread"
+        self._start(f"decode{core.d_rank}-reader")
 
     # ------------------------------------------------------------------ other threads
-    def _check_alive(self) -> None:
-        if self._failure is not None:
-            raise ControlPlaneError(f"decode reader thread failed: {self._failure!r}")
-        if self._closing:
-            raise ControlPlaneError("decode worker is closed")
-
     def _dispatch(self, actions: Sequence[Action]) -> None:
         """Run callbacks here; hand frames and reads to the reader thread."""
         io = [a for a in actions if isinstance(a, Send | IssueRead)]
@@ -620,26 +633,6 @@ class DecodeWorker:
             actions = self.core.apply_agreement(ext_req_id, all_ok)
         self._dispatch(actions)
         return [a for a in actions if isinstance(a, RequestFinished)]
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the reader; queued replies get up to ``linger_ms`` to leave. Bounded."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._wake.ring()
-        self._thread.join(timeout)
-        alive = self._thread.is_alive()
-        self._wake.close_tx()
-        if alive:
-            raise ControlPlaneError(f"decode reader thread did not stop within {timeout}s")
-        if self._own_ctx and not self._ctx.closed:
-            self._ctx.term()
-
-    def __enter__(self) -> DecodeWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ reader thread
     def _run(self) -> None:
