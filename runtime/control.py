@@ -247,18 +247,14 @@ class PrefillWorker(_Worker):
             return self.core.add_request(ext_req_id, kv_transfer_params, main_block_ids,
                                          indexer_block_ids)
 
-    def schedule_chunk(self, ext_req_id: str, computed_tokens: int, final: bool,
-                       timeout: float = 60.0) -> None:
+    def schedule_chunk(self, ext_req_id: str, computed_tokens: int, final: bool) -> None:
         """Plan this step's chunk of a request (C2).
 
-        The core builds each layer's READY from the current chunk when the layer lands, so
-        the previous step must be fully published first: this waits until the sender has
-        landed every queued layer (on CPU that is immediate).
+        The core plans each layer's READY when the layer begins, so this never waits for
+        the sender to publish the previous step.
         """
         with self._cond:
-            self._wait(lambda: not self._tasks and not self._busy, timeout,
-                       lambda: f"previous step still has {len(self._tasks)} layer(s) to "
-                               f"publish after {timeout}s")
+            self._check_alive()
             self.core.schedule_chunk(ext_req_id, computed_tokens, final)
 
     def chunk(self, ext_req_id: str) -> tuple[int, int] | None:

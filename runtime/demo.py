@@ -424,7 +424,7 @@ def _prefill_rank(plan: _Plan, rank: int, chan: _Channel, peers: list[Connection
                 if params is not None:
                     worker.add_request(ext, params, main_ids, idx_ids)
             for ext, _params, _m, _i, tokens, final in step:
-                worker.schedule_chunk(ext, tokens, final, timeout=cfg.timeout)
+                worker.schedule_chunk(ext, tokens, final)
             writes = []
             for ext, _p, main_ids, idx_ids, _t, _f in step:
                 lo, hi = worker.chunk(ext) or (0, 0)

@@ -98,6 +98,7 @@ class PrefillCore:
                     self.gates[k] = self._slots.start(SlotGate(k))
             self._layer_gates.append(tuple(self.gates[k] for k in keys))
         self._published_at: dict[str, float] = {}
+        self._planned: dict[int, dict[str, bytes]] = {}  # layer -> READY per endpoint
         self.endpoints: dict[str, _Endpoint] = {}
         self.requests: dict[str, PrefillRequest] = {}
         self.stale_replies = 0  # S5: duplicates and replies to an earlier publication
@@ -164,9 +165,17 @@ class PrefillCore:
         return all(g.state == "free" for g in gates)
 
     def begin_layer(self, layer_idx: int, now: float) -> list[Action]:
-        """The compute path is about to scatter this layer's KV into its slots (S1)."""
+        """The compute path is about to scatter this layer's KV into its slots (S1).
+
+        The layer's READYs are planned now, from this step's chunks, and sent when the
+        scatter lands; so the compute path may schedule the next step's chunks while the
+        sender is still waiting for this step's device events.
+        """
         for g in self._layer_gates[layer_idx]:
             self._slots.fire(g, "begin_write", layer_idx)
+        self._planned[layer_idx] = self._ready_payloads(layer_idx)
+        if layer_idx == len(self.layer_names) - 1:
+            self._close_chunks()
         return []
 
     def layer_landed(self, layer_idx: int, now: float) -> list[Action]:
@@ -174,7 +183,7 @@ class PrefillCore:
         gates = self._layer_gates[layer_idx]
         for g in gates:
             self._slots.fire(g, "scatter_landed")
-        by_endpoint = self._ready_payloads(layer_idx)
+        by_endpoint = self._planned.pop(layer_idx)
         readers = frozenset(by_endpoint)
         for g in gates:
             self._slots.fire(g, "publish", readers)
@@ -182,8 +191,6 @@ class PrefillCore:
         actions: list[Action] = []
         for endpoint, payload in by_endpoint.items():
             actions += self._send_ready(endpoint, _Publication(layer_idx, payload))
-        if layer_idx == len(self.layer_names) - 1:
-            self._close_chunks()
         return actions
 
     def _ready_payloads(self, layer_idx: int) -> dict[str, bytes]:

@@ -195,3 +195,20 @@ def test_local_completion_stands_once_reached():  # R2, R5
                                   ratio=2), 0.0)
     assert not any(isinstance(a, IssueRead) for a in late)  # no write after completion
     assert d.local_outcome("r1") is True and d.stats.skipped_entries == 1
+
+
+def test_next_step_may_be_scheduled_before_the_last_layer_lands():  # C2, C4
+    p = prefill()
+    p.add_request("r1", PARAMS, [5, 6, 7], [1, 2, 3])
+    p.schedule_chunk("r1", 4, final=False)  # step 1: block 0
+    for layer in (0, 1):
+        if layer == 1:
+            p.on_frame("10.0.0.2:30000", wire.RAW_ACK, 0.0)
+            p.on_frame("10.0.0.2:30000", wire.encode(wire.ReadDone(0)), 0.0)
+        p.begin_layer(layer, 0.0)
+        if layer == 0:
+            p.layer_landed(0, 0.0)
+    p.schedule_chunk("r1", 10, final=True)  # step 2 planned while layer 1 is in flight
+    [ready] = sends(p.layer_landed(1, 0.0))
+    assert wire.decode(ready).read_reqs[0].p_main_block_ids == (5,)  # still step 1's chunk
+    assert p.requests["r1"].chunk == (1, 3)
