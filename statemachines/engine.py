@@ -18,17 +18,20 @@ from typing import Any
 from transitions import Machine, MachineError, State
 
 from sfa_rd2h.spec.errors import TransitionError
-from sfa_rd2h.statemachines.tables import BY_NAME, MachineSpec
+from sfa_rd2h.statemachines.tables import BY_NAME, MachineSpec, StateSpec
 
 # observer(machine, key, event, source, dest, args)
 Observer = Callable[[str, str, str, str, str, tuple], None]
 
 
 def build_machine(
-    spec: MachineSpec, machine_cls: type[Machine] = Machine, **kwargs: Any
+    spec: MachineSpec, machine_cls: type[Machine] = Machine,
+    state_kwargs: Callable[[StateSpec], dict[str, Any]] | None = None, **kwargs: Any
 ) -> Machine:
     """A ``transitions`` machine for ``spec`` with no models attached."""
-    states = [State(s.name, final=s.final) for s in spec.states]
+    state_cls = getattr(machine_cls, "state_cls", State)
+    states = [state_cls(s.name, final=s.final, **state_kwargs(s)) if state_kwargs else
+              State(s.name, final=s.final) for s in spec.states]
     table = [
         {
             "trigger": t.trigger,

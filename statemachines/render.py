@@ -12,9 +12,15 @@ import subprocess
 from pathlib import Path
 
 from transitions.extensions import GraphMachine
+from transitions.extensions.states import Tags, add_state_features
 
 from sfa_rd2h.statemachines.engine import build_machine
 from sfa_rd2h.statemachines.tables import MACHINES, MachineSpec
+
+
+@add_state_features(Tags)
+class _TaggedGraphMachine(GraphMachine):
+    """GraphMachine whose state labels show tags: final states read ``done [final]``."""
 
 
 class _Fresh:
@@ -26,9 +32,11 @@ class _Fresh:
 def dot_source(spec: MachineSpec) -> str:
     machine = build_machine(
         spec,
-        GraphMachine,
+        _TaggedGraphMachine,
+        state_kwargs=lambda s: {"tags": ["final"] if s.final else []},
         graph_engine="graphviz",
         show_conditions=True,
+        show_state_attributes=True,
         title=f"{spec.name}: {spec.doc}",
     )
     model = _Fresh()
