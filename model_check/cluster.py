@@ -28,7 +28,7 @@ from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
-from sfa_rd2h.spec.topology import tp_mapping
+from sfa_rd2h.spec.topology import Share, main_share, rotation, tp_mapping
 
 BLOCK_TOKENS = 4  # tokens per KV block in the model
 MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tensor kind
@@ -89,8 +89,6 @@ class LegacyPrefillCore(PrefillCore):
     share as if it were the only member (the mixed-build hazard of T1)."""
 
     def _share(self, req, start, stop):  # type: ignore[no-untyped-def]
-        from sfa_rd2h.spec.topology import Share, main_share, rotation
-
         d_rank = self.mapping.d_rank(self.p_rank)
         main = main_share(start, stop, d_rank, self.mapping.d_tp,
                           rotation(req.ext_req_id, start, self.mapping.d_tp))
