@@ -45,16 +45,24 @@ settings.register_profile(
     "checker", deadline=None, stateful_step_count=4, max_examples=40, database=None,
     suppress_health_check=list(HealthCheck), derandomize=False, print_blob=False,
     report_multiple_bugs=False)
+# CI: hypothesis' own "ci" profile (derandomized, no example database) with the checker's
+# step and health-check settings. Runs are seeded on top, so CI replays the same deployments.
+settings.register_profile(
+    "checker-ci", parent=settings.get_profile("ci"), deadline=None, stateful_step_count=4,
+    suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)
 settings.register_profile(
     "fuzz", deadline=None, stateful_step_count=10, max_examples=2000, database=None,
     suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
 
 
 def default_profile() -> str:
-    """``fuzz`` for nightly runs (SFA_RD2H_PROFILE=fuzz), else the short checker profile.
-
-    Runs are seeded, so the same seed and example count replay the same deployments."""
-    return os.environ.get("SFA_RD2H_PROFILE", "checker")
+    """``SFA_RD2H_PROFILE`` if set (``fuzz`` for nightly runs), ``checker-ci`` when ``CI`` is
+    set, else ``checker``. Runs are seeded, so the same seed and example count replay the
+    same deployments."""
+    explicit = os.environ.get("SFA_RD2H_PROFILE")
+    if explicit:
+        return explicit
+    return "checker-ci" if os.environ.get("CI") else "checker"
 
 
 @st.composite
