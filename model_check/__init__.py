@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Model checking the real cores: simulated deployment, invariants, checker, seeded bugs."""

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Sans-IO protocol cores and the adapters that run them: sockets, engines, proxy, CLI."""

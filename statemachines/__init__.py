@@ -1,1 +1,1 @@
-"""placeholder"""
+"""The protocol machines declared as tables, the engine that runs them, diagrams, snapshot."""

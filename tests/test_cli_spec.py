@@ -123,3 +123,16 @@ def test_console_script_runs():
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
     for command in ("diagrams", "spec", "plan"):
         assert command in out.stdout
+
+
+def test_every_source_package_is_packaged():
+    import tomllib
+
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = set(conf["packages"])
+    found = set()
+    for name, folder in conf["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((name, *rel)))
+    assert found == declared
