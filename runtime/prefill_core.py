@@ -37,7 +37,7 @@ class PrefillRequest:
     endpoint: str
     main_ids: np.ndarray
     indexer_ids: np.ndarray
-    sent_blocks: int = 0  # blocks whose READY went out on every layer
+    sent_blocks: int = 0  # blocks already planned into READYs of every layer
     chunk: tuple[int, int] | None = None
     final: bool = False
 
