@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
     p.set_defaults(func=cmd_mutants)
 
+    from sfa_rd2h.runtime.bench import add_bench_parser
     from sfa_rd2h.runtime.demo import add_demo_parser
     from sfa_rd2h.runtime.probe import add_probe_parser
     from sfa_rd2h.runtime.trace import add_validate_parser
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_validate_parser(sub)
     add_probe_parser(sub)
+    add_bench_parser(sub)
 
     p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")
     p.add_argument("--max-states", type=int, default=None)

@@ -1,0 +1,638 @@
+"""``sfa-rd2h bench``: the hot path timed against a baseline, in one run.
+
+ARCHITECTURE.md principle 4 says the per-layer path is cheap and to measure that rather than
+trust it. The machine these numbers come from is shared and noisy, so no benchmark reports a
+lone time: each one times the project's operation and a baseline *in the same run*, with the
+repeats interleaved (project, baseline, baseline, project, ...) so a burst of background load
+hits both, and reports the median of each and their ratio. The ratio is the number to compare
+across machines and commits; the absolute times only describe this machine today.
+
+Conventions, for every row:
+
+* ``median_s`` and ``baseline_s`` are seconds per operation (one layer, one message, one
+  machine cycle, one request, one 64 MiB read), the median over ``--repeat`` samples; a sample
+  runs the operation enough times in a row to last a few milliseconds, so the clock's
+  resolution does not matter.
+* ``ratio = median_s / baseline_s``: below 1 the project is faster than its baseline, above 1
+  it pays that factor (for validation, for declared machines, for crossing processes).
+* Before timing, each baseline's output is checked against the project's once (same read
+  descriptors, same bytes on the wire, same end state, same bytes landed), so a fast baseline
+  cannot be fast by doing less. ``detail["verified"]`` records that the check ran and held; a
+  failed check aborts the run (exit 1) instead of printing a meaningless ratio.
+* The garbage collector is paused inside a sample and run between samples (as ``timeit``
+  does), so a collection triggered by one side's garbage is not charged to the other.
+
+Timing goals live here, never in unit tests; the tests only check the report's structure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.layout import DestLayout, ReadPlan, concat, plan_layer_reads, validate_layer
+
+# Row names, in report order. The quick run leaves out the one that needs a second process.
+BENCHMARKS: tuple[str, ...] = (
+    "plan_layer_reads",
+    "wire_ready_roundtrip",
+    "machine_fire_cycle",
+    "machine_fire_vs_locked",
+    "machine_requests_n",
+    "machine_requests_4n",
+    "decode_core_layer",
+    "host_engine_read",
+)
+QUICK_SKIPS: frozenset[str] = frozenset({"host_engine_read"})
+
+
+class BenchError(RuntimeError):
+    """A baseline disagreed with the project, or a benchmark could not run."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Workload of one run; ``FULL`` is what the quoted numbers use."""
+
+    requests: int  # requests per layer (plan, Decode core)
+    blocks: int  # blocks per request and per id list (main and indexer)
+    wire_entries: int  # READY entries in the wire benchmark
+    wire_ids: int  # block ids per list in the wire benchmark (main and indexer each)
+    models: int  # concurrent requests of the smaller lifecycle benchmark (the larger is 4x)
+    read_bytes: int  # host engine read
+    read_block: int  # bytes per descriptor of the host engine read
+    repeat: int  # samples per side
+    sample_s: float  # minimum duration of one sample
+
+
+FULL = Sizes(requests=64, blocks=32, wire_entries=64, wire_ids=300, models=1000,
+             read_bytes=64 << 20, read_block=4 << 20, repeat=15, sample_s=0.02)
+QUICK = Sizes(requests=8, blocks=8, wire_entries=8, wire_ids=40, models=10,
+              read_bytes=0, read_block=0, repeat=3, sample_s=0.002)
+
+
+@dataclass
+class Result:
+    name: str
+    median_s: float
+    baseline_s: float
+    unit: str  # how the table shows the medians, e.g. "us/layer"
+    scale: float  # seconds -> unit
+    what: str  # one line for the table: workload and baseline
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.median_s / self.baseline_s
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "median_s": self.median_s, "baseline_s": self.baseline_s,
+                "ratio": self.ratio, "detail": {"unit": self.unit, "what": self.what,
+                                                **self.detail}}
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _batch(fn: Callable[[], object], loops: int) -> float:
+    """Seconds for ``loops`` back-to-back calls, with the collector paused."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        return time.perf_counter() - t0
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _loops_for(fn: Callable[[], object], sample_s: float) -> int:
+    """Calls per sample so that one sample lasts at least ``sample_s`` (like timeit.autorange)."""
+    loops = 1
+    while True:
+        took = _batch(fn, loops)
+        if took >= sample_s or loops >= 1 << 20:
+            return loops
+        # Aim just past the target, but grow at most 10x per step: the first call of a
+        # cold function can be unrepresentatively fast or slow.
+        want = math.ceil(loops * sample_s * 1.1 / took) if took > 0 else loops * 10
+        loops = min(loops * 10, max(loops + 1, want))
+
+
+def compare(project: Callable[[], object], baseline: Callable[[], object], repeat: int,
+            sample_s: float, loops: int | None = None) -> tuple[float, float, dict[str, Any]]:
+    """Median seconds per call of ``project`` and ``baseline``, sampled alternately.
+
+    The order flips every round (ABBA), so neither side always runs right after the other's
+    caches and allocations. ``loops`` fixes the calls per sample (for operations that
+    already last milliseconds); otherwise each side is calibrated to ``sample_s``.
+    """
+    n_p = loops or _loops_for(project, sample_s)
+    n_b = loops or _loops_for(baseline, sample_s)
+    p_times: list[float] = []
+    b_times: list[float] = []
+    sides = [(project, n_p, p_times), (baseline, n_b, b_times)]
+    for i in range(max(1, repeat)):
+        for fn, n, out in sides if i % 2 == 0 else reversed(sides):
+            out.append(_batch(fn, n) / n)
+    info = {"repeat": len(p_times), "loops": [n_p, n_b],
+            "spread": [_spread(p_times), _spread(b_times)]}
+    return statistics.median(p_times), statistics.median(b_times), info
+
+
+def _spread(times: list[float]) -> float:
+    """(max - min) / median of the samples: how noisy this side was in this run."""
+    med = statistics.median(times)
+    return round((max(times) - min(times)) / med, 3) if med > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- 1. read planning
+
+# Bytes per block of K, V, indexer and LIC8 scale. Planning moves no bytes, so these only set
+# address strides; they differ per tensor so a stride mix-up cannot go unnoticed in the check.
+_TENSOR_BYTES = (512 << 10, 512 << 10, 8 << 10, 256)
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One layer's source and destination layouts and per-request (src, dst) id lists."""
+
+    src: wire.LayerMeta
+    dst: DestLayout
+    src_main: list[tuple[int, ...]]
+    dst_main: list[np.ndarray]
+    src_idx: list[tuple[int, ...]]
+    dst_idx: list[np.ndarray]
+
+
+def _runs_of(pool: int, run: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` distinct ids from ``0..pool-1`` in shuffled runs of ``run`` consecutive ids."""
+    starts = rng.permutation(pool // run)[: -(-count // run)] * run
+    return (starts[:, None] + np.arange(run)).reshape(-1)[:count]
+
+
+def layer_case(requests: int, blocks: int, seed: int = 1) -> LayerCase:
+    """K, V, indexer and LIC8 scale; ids "partially contiguous" the way caches fragment.
+
+    Prefill ids come in runs of 3 consecutive blocks and Decode ids in runs of 8, each side
+    shuffled on its own, so a descriptor covers one to three blocks depending on where the
+    two sides' run boundaries fall.
+    """
+    rng = np.random.default_rng(seed)
+    sizes = _TENSOR_BYTES
+    n = requests * blocks
+    pool = 4 * n  # blocks are drawn from a cache four times larger than this layer needs
+    src = wire.LayerMeta(
+        base_addrs=tuple(0x7F00_0000_0000 + (t << 36) for t in range(len(sizes))),
+        block_len=sizes, block_size_scale=(1,) * len(sizes),
+        tensor_group_idx=(0, 0, 1, 1), main_tensor_count=2, has_indexer=True)
+    dst = DestLayout(
+        base_addrs=tuple(0x7E00_0000_0000 + (t << 36) for t in range(len(sizes))),
+        block_bytes=sizes, num_blocks=(pool,) * len(sizes),
+        main_tensor_count=2, has_indexer=True, has_scale=True)
+
+    def per_request(run: int) -> list[np.ndarray]:
+        return list(_runs_of(pool, run, n, rng).reshape(requests, blocks))
+
+    # READY carries Prefill ids as tuples of ints; Decode's destinations are numpy slices.
+    return LayerCase(
+        src, dst,
+        src_main=[tuple(a.tolist()) for a in per_request(3)],
+        dst_main=per_request(8),
+        src_idx=[tuple(a.tolist()) for a in per_request(3)],
+        dst_idx=per_request(8),
+    )
+
+
+def plan_layer(case: LayerCase) -> ReadPlan:
+    """The project's per-layer planning, as the Decode core runs it: one plan per request,
+    concatenated into one batched read."""
+    return concat(
+        plan_layer_reads(case.src, case.dst, sm, dm, si, di)
+        for sm, dm, si, di in zip(case.src_main, case.dst_main, case.src_idx, case.dst_idx,
+                                  strict=True))
+
+
+def naive_plan_layer(case: LayerCase) -> tuple[list[int], list[int], list[int]]:
+    """Baseline: the same checks and descriptors with one Python iteration per block.
+
+    The layout check is the project's (it is per tensor, not per block); the range checks,
+    address arithmetic and run merging are the per-block loop principle 4 rules out.
+    """
+    src, dst = case.src, case.dst
+    main = src.main_tensor_count
+    n_tensors = len(src.base_addrs)
+    ext = src.ext_block_bytes
+    groups = (range(main), range(main, n_tensors))
+    local: list[int] = []
+    peer: list[int] = []
+    lengths: list[int] = []
+    for ids in zip(case.src_main, case.dst_main, case.src_idx, case.dst_idx, strict=True):
+        validate_layer(src, dst)
+        pairs = ((ids[0], ids[1].tolist()), (ids[2], ids[3].tolist()))
+        for (sids, dids), tensors in zip(pairs, groups, strict=True):
+            if len(sids) != len(dids):
+                raise ProtocolError("L1: block id counts differ")
+            cap = min(dst.num_blocks[t] for t in tensors)
+            seen: set[int] = set()
+            for s, d in zip(sids, dids, strict=True):
+                if s < 0 or d < 0 or d >= cap or d in seen:
+                    raise ProtocolError(f"L1: bad block pair {s} -> {d}")
+                seen.add(d)
+        for (sids, dids), tensors in zip(pairs, groups, strict=True):
+            for t in tensors:
+                nbytes, s_base, d_base = ext[t], src.base_addrs[t], dst.base_addrs[t]
+                for s, d in zip(sids, dids, strict=True):
+                    lo, pe = d_base + d * nbytes, s_base + s * nbytes
+                    if local and local[-1] + lengths[-1] == lo and peer[-1] + lengths[-1] == pe:
+                        lengths[-1] += nbytes
+                    else:
+                        local.append(lo)
+                        peer.append(pe)
+                        lengths.append(nbytes)
+    return local, peer, lengths
+
+
+def _check_plan(plan: ReadPlan, naive: tuple[list[int], list[int], list[int]],
+                what: str) -> None:
+    got = (plan.local_addrs, plan.peer_addrs, plan.lengths)
+    for name, a, b in zip(("local_addrs", "peer_addrs", "lengths"), got, naive, strict=True):
+        if not np.array_equal(a, np.asarray(b, dtype=np.uint64)):
+            raise BenchError(f"{what}: {name} of the project plan differs from the naive loop")
+
+
+def bench_plan(sizes: Sizes) -> Result:
+    case = layer_case(sizes.requests, sizes.blocks)
+    plan = plan_layer(case)
+    _check_plan(plan, naive_plan_layer(case), "plan_layer_reads")
+    med, base, info = compare(lambda: plan_layer(case), lambda: naive_plan_layer(case),
+                              sizes.repeat, sizes.sample_s)
+    return Result(
+        "plan_layer_reads", med, base, "us/layer", 1e6,
+        f"{sizes.requests} req x {sizes.blocks} blocks, K/V+indexer+scale "
+        f"-> {len(plan)} descriptors; vs per-block Python loop",
+        {"verified": True, "requests": sizes.requests, "blocks": sizes.blocks, "tensors": 4,
+         "descriptors": len(plan), "block_pairs": 4 * sizes.requests * sizes.blocks,
+         "baseline": "naive per-block Python loop, same checks and descriptors", **info})
+
+
+# --------------------------------------------------------------------------- 2. wire
+
+
+def ready_message(entries: int, ids: int, seed: int = 2) -> wire.ReadReadyBatch:
+    rng = np.random.default_rng(seed)
+    reqs = tuple(
+        wire.ReadReq(f"req-{i:05d}", tuple(rng.integers(0, 1 << 20, ids).tolist()),
+                     tuple(rng.integers(0, 1 << 20, ids).tolist()), 0, 0)
+        for i in range(entries))
+    return wire.ReadReadyBatch(17, "model.layers.17.self_attn.attn", reqs, (), 0, 1)
+
+
+def ready_fields(msg: wire.ReadReadyBatch) -> tuple[Any, ...]:
+    """The W2 field tuple of ``msg``, written out here so the baseline shares no wire code."""
+    return (wire.READ_READY_BATCH, msg.layer_idx, msg.layer_name,
+            tuple((r.ext_req_id, r.p_main_block_ids, r.p_indexer_block_ids,
+                   r.main_dest_start, r.indexer_dest_start) for r in msg.read_reqs),
+            msg.done_ext_ids, msg.group_member_idx, msg.tp_ratio)
+
+
+def bench_wire(sizes: Sizes) -> Result:
+    msg = ready_message(sizes.wire_entries, sizes.wire_ids)
+    fields = ready_fields(msg)
+    frame = wire.encode(msg)
+    # The baseline must move the very same bytes, or the ratio compares different work.
+    if msgpack.packb(fields) != frame or wire.decode(frame) != msg:
+        raise BenchError("wire_ready_roundtrip: plain msgpack and wire.encode disagree")
+    med, base, info = compare(lambda: wire.decode(wire.encode(msg)),
+                              lambda: msgpack.unpackb(msgpack.packb(fields)),
+                              sizes.repeat, sizes.sample_s)
+    return Result(
+        "wire_ready_roundtrip", med, base, "us/msg", 1e6,
+        f"READY {sizes.wire_entries} entries x 2x{sizes.wire_ids} ids ({len(frame)} B); "
+        "vs plain msgpack",
+        {"verified": True, "entries": sizes.wire_entries, "ids_per_list": sizes.wire_ids,
+         "frame_bytes": len(frame),
+         "baseline": "msgpack.unpackb(msgpack.packb(fields)), no validation", **info})
+
+
+# --------------------------------------------------------------------------- 3. machines
+
+
+_READERS = frozenset({"decode-0"})
+
+
+def bench_machines(sizes: Sizes) -> list[Result]:
+    from transitions import Machine
+    from transitions.extensions import LockedMachine
+
+    from sfa_rd2h.statemachines.engine import Driver, build_machine
+    from sfa_rd2h.statemachines.models import SlotGate
+    from sfa_rd2h.statemachines.tables import PREFILL_SLOT
+
+    class DictSlotGate(SlotGate):
+        """SlotGate with a ``__dict__``: ``add_model`` binds trigger methods onto the model,
+        which a slots class refuses. Same guards and effects."""
+
+    driver = Driver(PREFILL_SLOT)
+    fire = driver.fire
+
+    def driver_cycle(g: SlotGate) -> None:
+        fire(g, "begin_write", 0)
+        fire(g, "scatter_landed")
+        fire(g, "publish", _READERS)
+        fire(g, "reply_done", "decode-0")
+
+    def model_cycle(g: Any) -> None:
+        g.begin_write(0)
+        g.scatter_landed()
+        g.publish(_READERS)
+        g.reply_done("decode-0")
+
+    def attached(machine_cls: type[Machine]) -> DictSlotGate:
+        model = DictSlotGate("slot-0")
+        build_machine(PREFILL_SLOT, machine_cls).add_model(model)
+        return model
+
+    gate = driver.start(SlotGate("slot-0"))
+    plain, locked = attached(Machine), attached(LockedMachine)
+    for g, cycle in ((gate, driver_cycle), (plain, model_cycle), (locked, model_cycle)):
+        cycle(g)
+        if (g.state, g.publication, g.owner, g.pending) != ("free", 1, None, set()):
+            raise BenchError(f"machine cycle on {type(g).__name__} ended in {g.state!r}")
+
+    results = []
+    for name, model, baseline in (
+        ("machine_fire_cycle", plain, "Machine.add_model + model trigger methods"),
+        ("machine_fire_vs_locked", locked, "LockedMachine.add_model + model trigger methods"),
+    ):
+        med, base, info = compare(partial(driver_cycle, gate), partial(model_cycle, model),
+                                  sizes.repeat, sizes.sample_s)
+        results.append(Result(
+            name, med, base, "us/cycle", 1e6,
+            f"Driver.fire x4, SlotGate write/land/publish/reply; vs {baseline.split('.')[0]}",
+            {"verified": True, "triggers": 4, "baseline": baseline,
+             "project_us_per_trigger": med / 4 * 1e6, "baseline_us_per_trigger": base / 4 * 1e6,
+             **info}))
+
+    # A request's lifetime with N in flight: the Driver keeps no per-model registry, while
+    # add_model's per-call membership test walks every live model (quadratic in N).
+    per_request: dict[int, tuple[float, float]] = {}
+    for name, n in (("machine_requests_n", sizes.models),
+                    ("machine_requests_4n", 4 * sizes.models)):
+        machine = build_machine(PREFILL_SLOT, Machine)
+
+        def with_driver(n: int = n) -> None:
+            gates = [driver.start(SlotGate(f"slot-{i}")) for i in range(n)]
+            for g in gates:
+                driver_cycle(g)
+
+        def with_add_model(n: int = n, machine: Machine = machine) -> None:
+            gates = [DictSlotGate(f"slot-{i}") for i in range(n)]
+            for g in gates:
+                machine.add_model(g)
+            for g in gates:
+                model_cycle(g)
+            machine.remove_model(gates)
+
+        with_add_model()
+        if machine.models:
+            raise BenchError("add_model baseline left models attached")
+        med, base, info = compare(with_driver, with_add_model, sizes.repeat, sizes.sample_s)
+        per_request[n] = (med / n, base / n)
+        results.append(Result(
+            name, med / n, base / n, "us/request", 1e6,
+            f"{n} live SlotGates: start + 4 triggers; vs add_model + 4 triggers + remove_model",
+            {"verified": True, "models": n,
+             "baseline": "Machine.add_model per request, all live at once, then remove_model",
+             **info}))
+    (n1, (p1, b1)), (n4, (p4, b4)) = sorted(per_request.items())
+    # Per-request cost that grows with N is the quadratic total the architecture warns of.
+    results[-1].detail["growth"] = {"from_models": n1, "to_models": n4,
+                                    "project_per_request": round(p4 / p1, 3),
+                                    "baseline_per_request": round(b4 / b1, 3)}
+    return results
+
+
+# --------------------------------------------------------------------------- 4. Decode core
+
+
+def bench_decode_core(sizes: Sizes) -> Result:
+    from sfa_rd2h.runtime.actions import IssueRead, Send
+    from sfa_rd2h.runtime.decode_core import DecodeCore
+
+    case = layer_case(sizes.requests, sizes.blocks)
+    peer, layer = "prefill-0", "model.layers.0.self_attn.attn"
+    core = DecodeCore(0, 1, {layer: case.dst})
+    meta = wire.MfMeta("10.0.0.1:7000", {layer: case.src}, wire.PROTOCOL_VERSION,
+                       wire.LAYOUT_VERSION)
+    core.on_frame(peer, wire.encode(meta), 0.0)
+    entries = []
+    for i, (sm, dm, si, di) in enumerate(zip(case.src_main, case.dst_main, case.src_idx,
+                                             case.dst_idx, strict=True)):
+        core.register_request(f"req-{i}", dm, di, 0.0)
+        entries.append(wire.ReadReq(f"req-{i}", sm, si, 0, 0))
+    # No done_ext_ids: every request stays live, so each call serves the same layer afresh.
+    frame = wire.encode(wire.ReadReadyBatch(0, layer, tuple(entries), (), 0, 1))
+    done = wire.encode(wire.ReadDone(0))
+
+    def serve_layer() -> list[Any]:
+        [issue] = core.on_frame(peer, frame, 0.0)
+        return core.read_result(issue.read_id, 0, 0.0)  # type: ignore[union-attr]
+
+    [issue] = core.on_frame(peer, frame, 0.0)
+    if not isinstance(issue, IssueRead):
+        raise BenchError(f"decode_core_layer: expected one IssueRead, got {issue!r}")
+    _check_plan(issue.plan, naive_plan_layer(case), "decode_core_layer")
+    reply = core.read_result(issue.read_id, 0, 0.0)
+    if reply != [Send(peer, done)]:
+        raise BenchError(f"decode_core_layer: expected one READ_DONE, got {reply!r}")
+    med, base, info = compare(serve_layer, lambda: wire.decode(frame), sizes.repeat,
+                              sizes.sample_s)
+    return Result(
+        "decode_core_layer", med, base, "us/layer", 1e6,
+        f"on_frame(READY) -> IssueRead -> read_result -> READ_DONE, {sizes.requests} req; "
+        "vs wire.decode alone",
+        {"verified": True, "requests": sizes.requests, "blocks": sizes.blocks,
+         "project_us_per_request": med / sizes.requests * 1e6,
+         "baseline": "wire.decode of the same READY frame", **info})
+
+
+# --------------------------------------------------------------------------- 5. host engine
+
+
+def _announcement(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The probe owner's first stdout line (its session and buffer address), bounded wait."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise BenchError(f"probe owner announced nothing within {timeout:g}s")
+    line = proc.stdout.readline()
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise BenchError(f"probe owner announced {line!r}, not JSON") from None
+
+
+def bench_host_read(sizes: Sizes, timeout: float = 120.0) -> Result:
+    """One batched read out of another process vs ``numpy.copyto`` of the same bytes here.
+
+    The owner is ``sfa-rd2h probe``'s prefill role (a patterned buffer in a separate
+    process). When done, the probe's own decode role reads once more, verifies every byte
+    and tells the owner to exit, so the owner's shutdown path is the probe's.
+    """
+    from sfa_rd2h.runtime.engines.base import make_engine
+    from sfa_rd2h.runtime.probe import pattern, run_probe
+
+    nbytes, block = sizes.read_bytes, sizes.read_block
+    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.probe", "--role", "prefill",
+           "--engine", "host", "--bytes", str(nbytes), "--timeout", str(timeout)]
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            info = _announcement(proc, timeout)
+            eng = make_engine("host")
+            try:
+                eng.initialize("127.0.0.1", 0)
+                dest = np.zeros(nbytes, dtype=np.uint8)
+                eng.register_memory(int(dest.ctypes.data), nbytes)
+                # Shuffled block order, as the probe does, so the engine cannot merge the
+                # descriptors into one copy: the cost measured is that of a scattered batch.
+                count = -(-nbytes // block)
+                offsets = np.random.default_rng(3).permutation(count).astype(np.uint64)
+                offsets *= np.uint64(block)
+                lengths = np.minimum(np.uint64(block), np.uint64(nbytes) - offsets)
+                local = np.uint64(dest.ctypes.data) + offsets
+                remote = np.uint64(int(info["addr"])) + offsets
+                session = str(info["session"])
+                source = pattern(nbytes, int(info["seed"]))
+
+                def engine_read() -> None:
+                    ret = eng.batch_transfer_sync_read(session, local, remote, lengths)
+                    if ret != 0:
+                        raise BenchError(f"host read returned {ret}: {eng.last_error}")
+
+                engine_read()
+                if not np.array_equal(dest, source):
+                    raise BenchError("host_engine_read: bytes read differ from the owner's")
+                mode = getattr(eng, "mode", "?")
+                med, base, cmp_info = compare(engine_read, lambda: np.copyto(dest, source),
+                                              sizes.repeat, sizes.sample_s, loops=1)
+            finally:
+                eng.close()
+            probe = run_probe("decode", "host", info=info, block_bytes=block, repeats=1,
+                              timeout=timeout)
+            if not probe.get("ok"):
+                raise BenchError(f"host_engine_read: probe check failed: {probe.get('error')}")
+            proc.wait(timeout=timeout)
+        except BaseException:
+            err.seek(0)
+            sys.stderr.write(err.read()[-2000:])
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    gbps = nbytes / med / 1e9
+    base_gbps = nbytes / base / 1e9
+    return Result(
+        "host_engine_read", med, base, "ms/read", 1e3,
+        f"{nbytes >> 20} MiB in {count} x {block >> 20} MiB descriptors from another process "
+        f"({mode}): {gbps:.2f} GB/s; numpy.copyto {base_gbps:.2f} GB/s",
+        {"verified": True, "bytes": nbytes, "descriptors": count, "mode": mode,
+         "project_gbps": gbps, "baseline_gbps": base_gbps,
+         "baseline": "numpy.copyto of the same bytes within one process", **cmp_info})
+
+
+# --------------------------------------------------------------------------- driver & CLI
+
+
+def run_benchmarks(quick: bool = False, repeat: int | None = None,
+                   on_result: Callable[[Result], None] | None = None) -> list[Result]:
+    """Run every benchmark (all but the second-process one with ``quick``) in report order."""
+    sizes = QUICK if quick else FULL
+    if repeat is not None:
+        sizes = Sizes(**{**sizes.__dict__, "repeat": repeat})
+    steps: list[Callable[[Sizes], Result | list[Result]]] = [
+        bench_plan, bench_wire, bench_machines, bench_decode_core]
+    if not quick:
+        steps.append(bench_host_read)
+    results: list[Result] = []
+    for step in steps:
+        got = step(sizes)
+        for r in got if isinstance(got, list) else [got]:
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
+    return results
+
+
+_HEADER = f"{'benchmark':24} {'project':>10} {'baseline':>10} {'ratio':>7}  {'unit':10} what"
+
+
+def format_row(r: Result) -> str:
+    return (f"{r.name:24} {r.median_s * r.scale:>10.2f} {r.baseline_s * r.scale:>10.2f} "
+            f"{r.ratio:>7.3f}  {r.unit:10} {r.what}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.repeat is not None and args.repeat < 1:
+        print("--repeat must be at least 1", file=sys.stderr)
+        return 2
+    show: Callable[[Result], None] | None = None
+    if not args.json:
+        print(f"medians of {args.repeat or (QUICK if args.quick else FULL).repeat} interleaved "
+              f"samples; ratio = project / baseline; {os.cpu_count()} CPUs")
+        print(_HEADER, flush=True)
+
+        def show(r: Result) -> None:
+            print(format_row(r), flush=True)
+
+    try:
+        results = run_benchmarks(args.quick, args.repeat, on_result=show)
+    except (BenchError, ProtocolError, OSError, subprocess.SubprocessError) as exc:
+        # A failed equality check or an engine that cannot run here: say which, exit 1,
+        # rather than print a ratio that compares different work.
+        print(f"bench failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([r.as_json() for r in results], indent=2))
+    elif args.quick:
+        print(f"skipped with --quick: {', '.join(sorted(QUICK_SKIPS))}")
+    return 0
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` to an argparse sub-command set; the handler is ``cmd_bench``."""
+    p = subparsers.add_parser(
+        "bench", help="time the hot path against baselines (medians and ratios, one run)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and few repeats (a few seconds); skips host_engine_read")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON list of {name, median_s, baseline_s, ratio, detail}")
+    p.add_argument("--repeat", type=int, default=None,
+                   help=f"samples per side (default {FULL.repeat}, quick {QUICK.repeat})")
+    p.set_defaults(func=cmd_bench)
+    return p
