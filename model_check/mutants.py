@@ -134,11 +134,11 @@ class TrustSourceLayout(DecodeCore):
     """L1: Decode skips layout validation and addresses destinations with the source's
     block sizes."""
 
-    def _plan_entry(self, src: wire.LayerMeta, dst: DestLayout, req: DecodeRequest,
-                    entry: wire.ReadReq) -> ReadPlan:
+    def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout,
+                    live: list[wire.ReadReq]) -> ReadPlan:
         trusted = DestLayout(dst.base_addrs, src.ext_block_bytes, dst.num_blocks,
                              dst.main_tensor_count, dst.has_indexer, dst.has_scale)
-        return super()._plan_entry(src, trusted, req, entry)
+        return super()._plan_layer(src, trusted, live)
 
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
         return None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -48,7 +49,7 @@ import numpy as np
 
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
-from sfa_rd2h.spec.layout import DestLayout, ReadPlan, concat, plan_layer_reads, validate_layer
+from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
 
 # Row names, in report order. The quick run leaves out the one that needs a second process.
 BENCHMARKS: tuple[str, ...] = (
@@ -226,12 +227,13 @@ def layer_case(requests: int, blocks: int, seed: int = 1) -> LayerCase:
 
 
 def plan_layer(case: LayerCase) -> ReadPlan:
-    """The project's per-layer planning, as the Decode core runs it: one plan per request,
-    concatenated into one batched read."""
-    return concat(
-        plan_layer_reads(case.src, case.dst, sm, dm, si, di)
-        for sm, dm, si, di in zip(case.src_main, case.dst_main, case.src_idx, case.dst_idx,
-                                  strict=True))
+    """The project's per-layer planning, as the Decode core runs it: the ids of every
+    request joined, one plan for the whole layer."""
+    return plan_layer_reads(case.src, case.dst,
+                            np.fromiter(itertools.chain.from_iterable(case.src_main), np.int64),
+                            np.concatenate(case.dst_main),
+                            np.fromiter(itertools.chain.from_iterable(case.src_idx), np.int64),
+                            np.concatenate(case.dst_idx))
 
 
 def naive_plan_layer(case: LayerCase) -> tuple[list[int], list[int], list[int]]:
@@ -245,32 +247,34 @@ def naive_plan_layer(case: LayerCase) -> tuple[list[int], list[int], list[int]]:
     n_tensors = len(src.base_addrs)
     ext = src.ext_block_bytes
     groups = (range(main), range(main, n_tensors))
+    validate_layer(src, dst)
+    pairs = (
+        ([s for ids in case.src_main for s in ids], [d for a in case.dst_main for d in a.tolist()]),
+        ([s for ids in case.src_idx for s in ids], [d for a in case.dst_idx for d in a.tolist()]),
+    )
+    for (sids, dids), tensors in zip(pairs, groups, strict=True):
+        if len(sids) != len(dids):
+            raise ProtocolError("L1: block id counts differ")
+        cap = min(dst.num_blocks[t] for t in tensors)
+        seen: set[int] = set()
+        for s, d in zip(sids, dids, strict=True):
+            if s < 0 or d < 0 or d >= cap or d in seen:
+                raise ProtocolError(f"L1: bad block pair {s} -> {d}")
+            seen.add(d)
     local: list[int] = []
     peer: list[int] = []
     lengths: list[int] = []
-    for ids in zip(case.src_main, case.dst_main, case.src_idx, case.dst_idx, strict=True):
-        validate_layer(src, dst)
-        pairs = ((ids[0], ids[1].tolist()), (ids[2], ids[3].tolist()))
-        for (sids, dids), tensors in zip(pairs, groups, strict=True):
-            if len(sids) != len(dids):
-                raise ProtocolError("L1: block id counts differ")
-            cap = min(dst.num_blocks[t] for t in tensors)
-            seen: set[int] = set()
+    for (sids, dids), tensors in zip(pairs, groups, strict=True):
+        for t in tensors:
+            nbytes, s_base, d_base = ext[t], src.base_addrs[t], dst.base_addrs[t]
             for s, d in zip(sids, dids, strict=True):
-                if s < 0 or d < 0 or d >= cap or d in seen:
-                    raise ProtocolError(f"L1: bad block pair {s} -> {d}")
-                seen.add(d)
-        for (sids, dids), tensors in zip(pairs, groups, strict=True):
-            for t in tensors:
-                nbytes, s_base, d_base = ext[t], src.base_addrs[t], dst.base_addrs[t]
-                for s, d in zip(sids, dids, strict=True):
-                    lo, pe = d_base + d * nbytes, s_base + s * nbytes
-                    if local and local[-1] + lengths[-1] == lo and peer[-1] + lengths[-1] == pe:
-                        lengths[-1] += nbytes
-                    else:
-                        local.append(lo)
-                        peer.append(pe)
-                        lengths.append(nbytes)
+                lo, pe = d_base + d * nbytes, s_base + s * nbytes
+                if local and local[-1] + lengths[-1] == lo and peer[-1] + lengths[-1] == pe:
+                    lengths[-1] += nbytes
+                else:
+                    local.append(lo)
+                    peer.append(pe)
+                    lengths.append(nbytes)
     return local, peer, lengths
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from sfa_rd2h.runtime.actions import Action, IssueRead, RequestFinished, RequestReady, Send
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
-from sfa_rd2h.spec.layout import DestLayout, ReadPlan, concat, plan_layer_reads, validate_layer
+from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import LayerRead, RequestStatus
 
@@ -227,16 +227,25 @@ class DecodeCore:
     def _forget(self, ext_req_id: str) -> None:
         del self.requests[ext_req_id]
 
-    def _plan_entry(self, src: wire.LayerMeta, dst: DestLayout, req: DecodeRequest,
-                    entry: wire.ReadReq) -> ReadPlan:
+    def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout,
+                    live: list[wire.ReadReq]) -> ReadPlan:
+        """One plan for the whole layer: the block ids of every live request are joined so
+        the layout is checked once and numpy builds and coalesces all descriptors in one
+        pass (runs may even continue across requests)."""
+        if not live:
+            return ReadPlan.empty()
+        n_idx = [len(e.p_indexer_block_ids) if dst.has_indexer else 0 for e in live]
+        reqs = [self.requests[e.ext_req_id] for e in live]
         return plan_layer_reads(
             src, dst,
-            entry.p_main_block_ids,
-            _dest_slice(req.main_dest, entry.main_dest_start,
-                        len(entry.p_main_block_ids), "main"),
-            entry.p_indexer_block_ids,
-            _dest_slice(req.indexer_dest, entry.indexer_dest_start,
-                        len(entry.p_indexer_block_ids) if dst.has_indexer else 0, "indexer"),
+            _join([e.p_main_block_ids for e in live]),
+            np.concatenate([_dest_slice(r.main_dest, e.main_dest_start,
+                                        len(e.p_main_block_ids), "main")
+                            for r, e in zip(reqs, live, strict=True)]),
+            _join([e.p_indexer_block_ids if n else () for e, n in zip(live, n_idx,
+                                                                      strict=True)]),
+            np.concatenate([_dest_slice(r.indexer_dest, e.indexer_dest_start, n, "indexer")
+                            for r, e, n in zip(reqs, live, n_idx, strict=True)]),
         )
 
     def _transfer_result(self, result: int) -> int:
@@ -277,13 +286,10 @@ class DecodeCore:
         src = meta.layers[msg.layer_name]
         dst = self.dest_layouts[msg.layer_name]
         live, actions = self._live_entries(msg)
-        plans: list[ReadPlan] = []
         try:
-            for entry in live:
-                plans.append(self._plan_entry(src, dst, self.requests[entry.ext_req_id], entry))
+            plan = self._plan_layer(src, dst, live)
         except ProtocolError as exc:
             return actions + self._reject(ready, str(exc))
-        plan = concat(plans) if plans else ReadPlan.empty()
         ready.live = tuple(e.ext_req_id for e in live)
         ready.read.n_reads = len(plan)
         self._reads.fire(ready.read, "accept")
@@ -379,6 +385,12 @@ class DecodeCore:
     def connection_lost(self, peer: str) -> None:
         """A Prefill connection went away: its next READY needs a new MF_META (W1)."""
         self.connections.pop(peer, None)
+
+
+def _join(id_lists: list[tuple[int, ...]]) -> np.ndarray:
+    """Concatenate block id tuples into one int64 array without per-id Python work."""
+    total = sum(len(ids) for ids in id_lists)
+    return np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=total)
 
 
 def _dest_slice(dest: np.ndarray, start: int, count: int, what: str) -> np.ndarray:
