@@ -134,6 +134,12 @@ class PrefillCore:
         req.chunk = (req.sent_blocks, stop)
         req.final = final
 
+    def finish_request(self, ext_req_id: str) -> bool:
+        """vLLM finished or aborted the request: stop publishing it. Layers already planned
+        keep their READYs, so every reader a slot waits for still gets its READY (S3).
+        Returns whether the request was still tracked."""
+        return self.requests.pop(ext_req_id, None) is not None
+
     # Hooks: the model checker's seeded bugs override these, nothing else does.
     def _parse_params(self, params: Mapping) -> RemoteDecode:
         return parse_remote_decode(params)

@@ -212,3 +212,20 @@ def test_next_step_may_be_scheduled_before_the_last_layer_lands():  # C2, C4
     [ready] = sends(p.layer_landed(1, 0.0))
     assert wire.decode(ready).read_reqs[0].p_main_block_ids == (5,)  # still step 1's chunk
     assert p.requests["r1"].chunk == (1, 3)
+
+
+def test_finished_request_is_no_longer_published():  # C2
+    p = prefill()
+    p.add_request("r1", PARAMS, [5, 6], [1, 2])
+    p.add_request("r2", PARAMS, [7], [3])
+    for ext in ("r1", "r2"):
+        p.schedule_chunk(ext, 4, final=False)
+    p.begin_layer(0, 0.0)
+    assert p.finish_request("r2") and not p.finish_request("r2")
+    p.layer_landed(0, 0.0)
+    [ready] = sends(p.on_frame("10.0.0.2:30000", wire.RAW_ACK, 0.0))
+    assert [e.ext_req_id for e in wire.decode(ready).read_reqs] == ["r1", "r2"]  # planned
+    p.on_frame("10.0.0.2:30000", wire.encode(wire.ReadDone(0)), 0.0)
+    p.begin_layer(1, 0.0)
+    [ready] = sends(p.layer_landed(1, 0.0))
+    assert [e.ext_req_id for e in wire.decode(ready).read_reqs] == ["r1"]
