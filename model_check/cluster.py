@@ -441,14 +441,16 @@ class Cluster:
             if isinstance(msg, wire.ReadReadyBatch):
                 inv.check_w1_meta_before_ready((p, d) in self.ghost.meta_seen, f"P{p}->D{d}",
                                                msg.layer_idx)
+                # R1 is about what Decode heard before local completion: once reached, it
+                # stands (R2) and later contributors change nothing.
                 for e in msg.read_reqs:
-                    # R1 asks what Decode must have checked before local completion.
-                    req = self.decode[d].requests.get(e.ext_req_id)
-                    if req is None or req.status.state == "registered":
+                    if self._before_completion(d, e.ext_req_id):
                         self.ghost.ratios.setdefault((d, e.ext_req_id), set()).add(
                             msg.tp_ratio)
                 for ext in msg.done_ext_ids:
-                    self.ghost.finals.setdefault((d, ext), set()).add(msg.group_member_idx)
+                    if self._before_completion(d, ext):
+                        self.ghost.finals.setdefault((d, ext), set()).add(
+                            msg.group_member_idx)
                 if msg.done_ext_ids:
                     self.ghost.last_final[(p, d)] = payload
                 self._ready_in_hand = (p, msg)
@@ -458,6 +460,10 @@ class Cluster:
         self._emit_decode(d, actions)
         self._ready_in_hand = None
         return desc
+
+    def _before_completion(self, d: int, ext: str) -> bool:
+        req = self.decode[d].requests.get(ext)
+        return req is None or req.status.state == "registered"
 
     def _op_to_prefill(self, p: int, d: int) -> str:
         payload = self.to_p[(p, d)].popleft()
