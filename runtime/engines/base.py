@@ -329,6 +329,24 @@ class TransferEngine(abc.ABC):
                 )
         return local, peer, n
 
+    def _library_read(self, read: Any, session: str, local: np.ndarray, peer: np.ndarray,
+                      n: np.ndarray, label: str, detail: Any = None) -> int:
+        """Hand a checked batch to a third-party engine's ``batch_transfer_sync_read``:
+        coalesced, as Python ints, with exceptions and non-zero results made failures (F2)."""
+        if local.size == 0:
+            return int(TransferResult.OK)
+        local, peer, n = coalesce(local, peer, n)
+        try:
+            ret = read(session, local.tolist(), peer.tolist(), n.tolist())
+        except Exception as exc:
+            return self._fail(TransferResult.BACKEND, f"{label} read raised: {exc}")
+        if ret != 0:
+            why = detail() if detail is not None else ""
+            return self._fail(TransferResult.BACKEND,
+                              f"{label} batch_transfer_sync_read returned {ret}"
+                              + (f": {why}" if why else ""))
+        return int(TransferResult.OK)
+
     def __enter__(self) -> TransferEngine:
         return self
 

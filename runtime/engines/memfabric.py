@@ -49,7 +49,6 @@ from sfa_rd2h.runtime.engines.base import (
     TransferEngine,
     TransferResult,
     check_region,
-    coalesce,
 )
 
 _ROLES = {"prefill": "Prefill", "decode": "Decode"}
@@ -266,23 +265,8 @@ class MemFabricEngine(TransferEngine):
         checked = self._preflight(session, local_addrs, peer_addrs, lengths, b.regions)
         if isinstance(checked, int):
             return checked
-        local, peer, n = checked
-        if local.size == 0:
-            return int(TransferResult.OK)
-        local, peer, n = coalesce(local, peer, n)
-        try:
-            ret = b.engine.batch_transfer_sync_read(
-                session, local.tolist(), peer.tolist(), n.tolist()
-            )
-        except Exception as exc:
-            return self._fail(TransferResult.BACKEND, f"MemFabric read raised: {exc}")
-        if ret != 0:
-            return self._fail(
-                TransferResult.BACKEND,
-                f"MemFabric batch_transfer_sync_read returned {ret}: "
-                f"{_last_error(b.module) or 'no detail'}",
-            )
-        return int(TransferResult.OK)
+        return self._library_read(b.engine.batch_transfer_sync_read, session, *checked,
+                                  "MemFabric", lambda: _last_error(b.module) or "no detail")
 
     def close(self) -> None:
         global _BINDING

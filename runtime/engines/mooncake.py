@@ -31,7 +31,6 @@ from sfa_rd2h.runtime.engines.base import (
     TransferEngine,
     TransferResult,
     check_region,
-    coalesce,
 )
 
 
@@ -128,21 +127,8 @@ class MooncakeEngine(TransferEngine):
         checked = self._preflight(session, local_addrs, peer_addrs, lengths, self._regions)
         if isinstance(checked, int):
             return checked
-        local, peer, n = checked
-        if local.size == 0:
-            return int(TransferResult.OK)
-        local, peer, n = coalesce(local, peer, n)
-        try:
-            ret = self._engine.batch_transfer_sync_read(
-                session, local.tolist(), peer.tolist(), n.tolist()
-            )
-        except Exception as exc:
-            return self._fail(TransferResult.BACKEND, f"Mooncake read raised: {exc}")
-        if ret != 0:
-            return self._fail(
-                TransferResult.BACKEND, f"Mooncake batch_transfer_sync_read returned {ret}"
-            )
-        return int(TransferResult.OK)
+        return self._library_read(self._engine.batch_transfer_sync_read, session, *checked,
+                                  "Mooncake")
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
