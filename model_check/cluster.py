@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -25,6 +26,7 @@ from sfa_rd2h.model_check import invariants as inv
 from sfa_rd2h.runtime.actions import IssueRead, Send
 from sfa_rd2h.runtime.decode_core import DecodeCore
 from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
+from sfa_rd2h.runtime.trace import Tracer
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
@@ -121,8 +123,14 @@ class Cluster:
     """One deployment: ``p_tp`` Prefill cores, ``d_tp`` Decode cores, network, memory."""
 
     def __init__(self, scope: Scope, prefill_cls: type[PrefillCore] = PrefillCore,
-                 decode_cls: type[DecodeCore] = DecodeCore) -> None:
+                 decode_cls: type[DecodeCore] = DecodeCore,
+                 trace_dir: Path | None = None) -> None:
         self.scope = scope
+        # With a trace folder every core records its transitions through the runtime's
+        # Tracer, so `sfa-rd2h validate` can judge model runs exactly as it judges real ones.
+        self.trace_dir = trace_dir
+        self.tracers: list[Tracer] = []
+        self._restarts = 0
         self.prefill_cls = prefill_cls
         self.decode_cls = decode_cls
         self.mapping = tp_mapping(scope.p_tp, scope.d_tp)
@@ -260,13 +268,27 @@ class Cluster:
             return nbytes * 2
         return nbytes
 
+    def _tracer(self, name: str, **info: object) -> Tracer | None:
+        if self.trace_dir is None:
+            return None
+        tracer = Tracer(self.trace_dir / f"{name}.jsonl", name, **info)
+        self.tracers.append(tracer)
+        return tracer
+
+    def close_traces(self) -> None:
+        for tracer in self.tracers:
+            tracer.close()
+
     def _new_prefill(self, p: int) -> PrefillCore:
         cls = LegacyPrefillCore if p == self.scope.legacy_rank else self.prefill_cls
-        return cls(p, self.mapping, f"p{p}:1", self.layer_meta, block_size=BLOCK_TOKENS)
+        return cls(p, self.mapping, f"p{p}:1", self.layer_meta, block_size=BLOCK_TOKENS,
+                   observer=self._tracer(f"prefill{p}", role="prefill", rank=p))
 
     def _new_decode(self, g: int) -> DecodeCore:
+        tracer = self._tracer(f"decode{g}.{self._restarts}", role="decode", rank=g)
         return self.decode_cls(g % self.scope.d_tp, self.scope.d_tp, self.d_dest[g],
-                               destination_wait=10.0, request_deadline=FOREVER)
+                               destination_wait=10.0, request_deadline=FOREVER,
+                               observer=tracer)
 
     def _schedule(self) -> list[list[tuple[int, int, bool]]]:
         """Chunked prefill: step k runs chunk k of every request that has one (C2)."""
@@ -638,6 +660,7 @@ class Cluster:
         """A Decode instance restarts on the same ports: its requests, connections and
         in-flight traffic are gone; Prefill's socket monitor reports the peers lost."""
         ranks = self.ranks_of(inst)
+        self._restarts += 1
         for g in ranks:
             self.decode[g] = self._new_decode(g)
             self.reads[g].clear()

@@ -141,3 +141,25 @@ def test_check_cli_reports_a_counterexample(capsys, monkeypatch):
     assert main(["check", "--budget", "20", "--quiet"]) == 1
     out = capsys.readouterr().out
     assert "counterexample:" in out and "  1. deploy" in out and "C4 violated" in out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_model_runs_pass_the_runtime_trace_validator(tmp_path, seed):
+    """The checker's executions, recorded by the runtime's Tracer, replay cleanly through
+    `sfa-rd2h validate`: model and runtime judge the protocol by the same tables."""
+    import random
+
+    from sfa_rd2h.runtime.trace import validate
+
+    rng = random.Random(seed)
+    scope = Scope(p_tp=4, d_tp=2, n_layers=3, n_slots=2, scale=True,
+                  requests=(RequestSpec(9, (5, 9)), RequestSpec(3, (3,), None, 0),
+                            RequestSpec(2, (2,), 0, 0)), max_faults=2)
+    cluster = Cluster(scope, trace_dir=tmp_path)
+    while ops := cluster.enabled():
+        cluster.apply(rng.choice(ops))
+    cluster.check_quiescent()
+    cluster.close_traces()
+    report = validate(sorted(tmp_path.glob("*.jsonl")))
+    assert report.ok, report.summary()
+    assert sum(1 for _ in tmp_path.glob("*.jsonl")) >= scope.p_tp + scope.d_tp
