@@ -130,7 +130,10 @@ class Cluster:
         # Tracer, so `sfa-rd2h validate` can judge model runs exactly as it judges real ones.
         self.trace_dir = trace_dir
         self.tracers: list[Tracer] = []
+        self._trace_of: dict[str, Tracer] = {}
         self._restarts = 0
+        # A restarted Decode sees new connections: identities carry the instance's epoch.
+        self._epoch = [0] * scope.d_instances
         self.prefill_cls = prefill_cls
         self.decode_cls = decode_cls
         self.mapping = tp_mapping(scope.p_tp, scope.d_tp)
@@ -273,7 +276,18 @@ class Cluster:
             return None
         tracer = Tracer(self.trace_dir / f"{name}.jsonl", name, **info)
         self.tracers.append(tracer)
+        self._trace_of[name.split(".")[0]] = tracer  # the live process of that rank
         return tracer
+
+    def _trace_msg(self, who: str, direction: str, peer: str, payload: bytes,
+                   conn: str | None = None) -> None:
+        tracer = self._trace_of.get(who)
+        if tracer is not None:
+            tracer.message(direction, peer, payload, conn=conn)
+
+    def _identity(self, p: int, g: int) -> str:
+        """The ZMQ identity Decode rank ``g`` sees for Prefill rank ``p``'s connection."""
+        return f"p{p}@{self._epoch[g // self.scope.d_tp]}"
 
     def close_traces(self) -> None:
         for tracer in self.tracers:
@@ -285,7 +299,8 @@ class Cluster:
                    observer=self._tracer(f"prefill{p}", role="prefill", rank=p))
 
     def _new_decode(self, g: int) -> DecodeCore:
-        tracer = self._tracer(f"decode{g}.{self._restarts}", role="decode", rank=g)
+        tracer = self._tracer(f"decode{g}.{self._restarts}", role="decode", rank=g,
+                              endpoint=self._endpoint(g))
         return self.decode_cls(g % self.scope.d_tp, self.scope.d_tp, self.d_dest[g],
                                destination_wait=10.0, request_deadline=FOREVER,
                                observer=tracer)
@@ -448,6 +463,7 @@ class Cluster:
                 slot = msg.layer_idx % self.scope.n_slots
                 self.ghost.readers.setdefault((p, slot), Counter())[(f"D{d}", msg.layer_idx)] += 1
             self.to_d[(p, d)].append(a.payload)
+            self._trace_msg(f"prefill{p}", "send", a.peer, a.payload, self._identity(p, d))
 
     # network --------------------------------------------------------------
     def _op_to_decode(self, p: int, d: int) -> str:
@@ -478,7 +494,8 @@ class Cluster:
                 self._ready_in_hand = (p, msg)
         elif _kind(payload) == wire.MF_META:
             self.ghost.meta_seen.add((p, d))
-        actions = self.decode[d].on_frame(f"p{p}", payload, self.d_now[d])
+        self._trace_msg(f"decode{d}", "recv", self._identity(p, d), payload)
+        actions = self.decode[d].on_frame(self._identity(p, d), payload, self.d_now[d])
         self._emit_decode(d, actions)
         self._ready_in_hand = None
         return desc
@@ -500,6 +517,8 @@ class Cluster:
             if readers is not None and readers[key] > 0:
                 readers[key] -= 1
         try:
+            self._trace_msg(f"prefill{p}", "recv", self._endpoint(d), payload,
+                            self._identity(p, d))
             actions = self.prefill[p].on_frame(self._endpoint(d), payload, 0.0)
         except ProtocolError as exc:
             return desc + f" (rejected: {exc})"
@@ -509,7 +528,8 @@ class Cluster:
     def _emit_decode(self, d: int, actions: list) -> None:
         for a in actions:
             if isinstance(a, Send):
-                p = int(a.peer[1:])
+                p = int(a.peer[1:].split("@")[0])
+                self._trace_msg(f"decode{d}", "send", a.peer, a.payload)
                 if _kind(a.payload) in (wire.READ_DONE, wire.READ_FAILED):
                     self.ghost.replies[(p, d)] += 1
                     inv.check_s3_one_reply_per_ready(self.ghost.readys[(p, d)],
@@ -661,6 +681,16 @@ class Cluster:
         in-flight traffic are gone; Prefill's socket monitor reports the peers lost."""
         ranks = self.ranks_of(inst)
         self._restarts += 1
+        for p in range(self.scope.p_tp):
+            g = inst * self.scope.d_tp + self.mapping.d_rank(p)
+            tracer = self._trace_of.get(f"prefill{p}")
+            if tracer is not None:
+                tracer.connection("lost", self._endpoint(g), self._identity(p, g))
+        self._epoch[inst] += 1
+        for g in ranks:
+            tracer = self._trace_of.get(f"decode{g}")
+            if tracer is not None:
+                tracer.abandon()
         for g in ranks:
             self.decode[g] = self._new_decode(g)
             self.reads[g].clear()

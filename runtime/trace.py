@@ -169,6 +169,17 @@ class Tracer:
     def info(self, **fields: Any) -> None:
         self._write({"k": "info", "t": self._t(), **fields})
 
+    def abandon(self) -> None:
+        """Flush and close without the ``close`` marker: what a killed process leaves
+        behind (the model checker uses it for a restarted Decode)."""
+        self._flush()
+        with self._flush_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            self._file.close()
+
     def close(self) -> None:
         """Flush everything and mark the process as cleanly closed. Idempotent."""
         self._write({"k": "close", "t": self._t()}, may_flush=False)

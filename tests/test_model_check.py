@@ -154,7 +154,10 @@ def test_model_runs_pass_the_runtime_trace_validator(tmp_path, seed):
     rng = random.Random(seed)
     scope = Scope(p_tp=4, d_tp=2, n_layers=3, n_slots=2, scale=True,
                   requests=(RequestSpec(9, (5, 9)), RequestSpec(3, (3,), None, 0),
-                            RequestSpec(2, (2,), 0, 0)), max_faults=2)
+                            RequestSpec(2, (2,), 0, 0)), max_faults=2,
+                  # faults a real network can produce; duplicated or forged frames would be
+                  # (rightly) reported by the validator's S3 pairing
+                  fault_kinds=frozenset({"fail_read", "restart_decode"}))
     cluster = Cluster(scope, trace_dir=tmp_path)
     while ops := cluster.enabled():
         cluster.apply(rng.choice(ops))
@@ -163,3 +166,26 @@ def test_model_runs_pass_the_runtime_trace_validator(tmp_path, seed):
     report = validate(sorted(tmp_path.glob("*.jsonl")))
     assert report.ok, report.summary()
     assert sum(1 for _ in tmp_path.glob("*.jsonl")) >= scope.p_tp + scope.d_tp
+    assert " 0 messages" not in report.summary()
+
+
+def test_runtime_trace_validator_flags_duplicated_replies_in_model_runs(tmp_path):
+    """The other direction: a fault the cores tolerate (a duplicated reply, S5) is still an
+    anomaly on the wire, and the validator reports it from the model's traces (S3)."""
+    import random
+
+    from sfa_rd2h.runtime.trace import validate
+
+    flagged = []
+    for seed in range(12):
+        folder = tmp_path / str(seed)
+        rng = random.Random(seed)
+        cluster = Cluster(Scope(p_tp=2, d_tp=1, n_layers=2, n_slots=1, max_faults=2,
+                                fault_kinds=frozenset({"dup_reply"})), trace_dir=folder)
+        while ops := cluster.enabled():
+            cluster.apply(rng.choice(ops))
+        cluster.close_traces()
+        report = validate(sorted(folder.glob("*.jsonl")))
+        if cluster.faults and not report.ok:
+            flagged.append(report.divergence.rule)
+    assert flagged and set(flagged) == {"S3"}
