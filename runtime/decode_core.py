@@ -66,6 +66,7 @@ class DecodeCore:
         *,
         destination_wait: float = 10.0,
         request_deadline: float = 300.0,
+        memory: int = 65536,
         observer: Observer | None = None,
     ) -> None:
         self.d_rank = d_rank
@@ -77,8 +78,12 @@ class DecodeCore:
         self._requests = Driver("request_status", observer)
         self.connections: dict[str, wire.MfMeta] = {}
         self.requests: dict[str, DecodeRequest] = {}
-        self.terminal: dict[str, bool] = {}  # tombstones: ext id -> succeeded
+        # Tombstones (ext id -> succeeded) let late READYs be skipped instead of waited for
+        # (R5); failures of not-yet-registered requests fail them on registration. Both are
+        # bounded, oldest first, so a long-running Decode does not grow without limit.
+        self.terminal: dict[str, bool] = {}
         self._failed_unregistered: dict[str, str] = {}
+        self.memory = memory
         self._waiting: list[_Ready] = []
         self._inflight: dict[int, _Ready] = {}
         self._read_ids = itertools.count(1)
@@ -128,7 +133,7 @@ class DecodeCore:
         self._requests.fire(req.status, "tp_agreed", all_ok)
         self._forget(ext_req_id)
         ok = req.status.state == "succeeded"
-        self.terminal[ext_req_id] = ok
+        _remember(self.terminal, ext_req_id, ok, self.memory)
         error = req.status.error or (None if ok else "R1: another Decode TP rank failed")
         return [RequestFinished(ext_req_id, ok, error)]
 
@@ -347,7 +352,9 @@ class DecodeCore:
                     req = self.requests.get(entry.ext_req_id)
                     if req is None:
                         if entry.ext_req_id not in self.terminal:
-                            self._failed_unregistered.setdefault(entry.ext_req_id, error)
+                            if entry.ext_req_id not in self._failed_unregistered:
+                                _remember(self._failed_unregistered, entry.ext_req_id, error,
+                                          self.memory)
                     elif req.status.state == "registered":
                         actions += self._fail_request(entry.ext_req_id, error)
                     else:
@@ -385,6 +392,13 @@ class DecodeCore:
     def connection_lost(self, peer: str) -> None:
         """A Prefill connection went away: its next READY needs a new MF_META (W1)."""
         self.connections.pop(peer, None)
+
+
+def _remember(table: dict, key: str, value: object, limit: int) -> None:
+    """Insert, evicting the oldest entries beyond ``limit`` (dicts keep insertion order)."""
+    table[key] = value
+    while len(table) > limit:
+        del table[next(iter(table))]
 
 
 def _join(id_lists: list[tuple[int, ...]]) -> np.ndarray:

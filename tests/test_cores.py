@@ -229,3 +229,13 @@ def test_finished_request_is_no_longer_published():  # C2
     p.begin_layer(1, 0.0)
     [ready] = sends(p.layer_landed(1, 0.0))
     assert [e.ext_req_id for e in wire.decode(ready).read_reqs] == ["r1"]
+
+
+def test_tombstones_are_bounded():  # R5 memory on a long-running Decode
+    d = decode(memory=3)
+    for i in range(5):
+        d.register_request(f"r{i}", [i], [i], 0.0)
+        d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+        d.on_frame("p0", ready(reqs=((f"r{i}", (), (), 0, 0),), done=(f"r{i}",)), 0.0)
+        d.apply_agreement(f"r{i}", True)
+    assert list(d.terminal) == ["r2", "r3", "r4"]
