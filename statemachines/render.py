@@ -20,7 +20,12 @@ from sfa_rd2h.statemachines.tables import MACHINES, MachineSpec
 
 @add_state_features(Tags)
 class _TaggedGraphMachine(GraphMachine):
-    """GraphMachine whose state labels show tags: final states read ``done [final]``."""
+    """GraphMachine whose state labels show tags: final states read ``done [final]``.
+
+    Drawn top to bottom: the guard labels are long, and left to right they run over the
+    states."""
+
+    machine_attributes = {**GraphMachine.machine_attributes, "rankdir": "TB"}
 
 
 class _Fresh:
