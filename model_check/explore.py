@@ -23,6 +23,14 @@ DEFAULT_SCOPE = Scope(p_tp=2, d_tp=1, n_layers=2, n_slots=1, indexer=True,
                       requests=(RequestSpec(6, (4, 6)), RequestSpec(3, (3,))), max_faults=0)
 
 
+#: A wider scope for nightly runs (about a minute here): two Decode instances, so one
+#: Prefill slot has two readers at once - the setting of known failure 1.
+WIDE_SCOPE = Scope(p_tp=2, d_tp=1, n_layers=2, n_slots=1, indexer=True,
+                   requests=(RequestSpec(6, (6,)), RequestSpec(3, (3,))), d_instances=2,
+                   max_faults=0)
+SCOPES = {"pinned": DEFAULT_SCOPE, "wide": WIDE_SCOPE}
+
+
 @dataclass
 class ExploreResult:
     states: int

@@ -173,11 +173,11 @@ def _pin_counterexamples(path: Path, outcomes: list) -> None:
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
-    from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, explore
+    from sfa_rd2h.model_check.explore import SCOPES, explore
     from sfa_rd2h.model_check.invariants import InvariantViolation
 
     try:
-        result = explore(DEFAULT_SCOPE, max_states=args.max_states)
+        result = explore(SCOPES[args.scope], max_states=args.max_states)
     except InvariantViolation as exc:
         print(f"FAILED: {exc}")
         return 1
@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")
     p.add_argument("--max-states", type=int, default=None)
+    p.add_argument("--scope", choices=["pinned", "wide"], default="pinned",
+                   help="pinned: the CI scope with a pinned count; wide: two Decode "
+                        "instances sharing Prefill slots (nightly, about a minute)")
     p.set_defaults(func=cmd_explore)
 
     return parser
