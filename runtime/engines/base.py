@@ -329,6 +329,23 @@ class TransferEngine(abc.ABC):
                 )
         return local, peer, n
 
+    def _register_region(self, regions: RegionSet, register: Any, addr: int, length: int,
+                         label: str, detail: Any = None) -> None:
+        """Register a region once with a third-party engine, keeping ``regions`` (the
+        ranges reads are checked against) in step with what the library accepted."""
+        addr, length = check_region(addr, length)
+        if not regions.add(addr, length):
+            return  # registered before: once is enough
+        try:
+            ret = register(addr, length)
+            why = detail() if detail is not None and ret != 0 else ""
+        except Exception as exc:
+            ret, why = -1, str(exc)
+        if ret != 0:
+            regions.remove(addr)
+            raise RegistrationError(f"{label} register_memory(0x{addr:x}, {length}) returned "
+                                    f"{ret}" + (f": {why}" if why else ""))
+
     def _library_read(self, read: Any, session: str, local: np.ndarray, peer: np.ndarray,
                       n: np.ndarray, label: str, detail: Any = None) -> int:
         """Hand a checked batch to a third-party engine's ``batch_transfer_sync_read``:

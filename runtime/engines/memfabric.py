@@ -48,7 +48,6 @@ from sfa_rd2h.runtime.engines.base import (
     RegistrationError,
     TransferEngine,
     TransferResult,
-    check_region,
 )
 
 _ROLES = {"prefill": "Prefill", "decode": "Decode"}
@@ -226,22 +225,10 @@ class MemFabricEngine(TransferEngine):
         return self._binding
 
     def register_memory(self, addr: int, length: int) -> None:
+        # The regions belong to the process-wide binding: another handle's registration counts.
         b = self._bound()
-        addr, length = check_region(addr, length)
-        if not b.regions.add(addr, length):
-            return  # registered before, by this handle or another one: once is enough
-        try:
-            ret = b.engine.register_memory(addr, length)
-        except Exception as exc:
-            ret, detail = -1, str(exc)
-        else:
-            detail = _last_error(b.module)
-        if ret != 0:
-            b.regions.remove(addr)
-            raise RegistrationError(
-                f"MemFabric register_memory(0x{addr:x}, {length}) returned {ret}: "
-                f"{detail or 'no detail'}"
-            )
+        self._register_region(b.regions, b.engine.register_memory, addr, length, "MemFabric",
+                              lambda: _last_error(b.module) or "no detail")
 
     def unregister_memory(self, addr: int) -> None:
         b = self._bound()

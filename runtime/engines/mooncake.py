@@ -30,7 +30,6 @@ from sfa_rd2h.runtime.engines.base import (
     RegistrationError,
     TransferEngine,
     TransferResult,
-    check_region,
 )
 
 
@@ -96,21 +95,8 @@ class MooncakeEngine(TransferEngine):
         return self._engine
 
     def register_memory(self, addr: int, length: int) -> None:
-        engine = self._live()
-        addr, length = check_region(addr, length)
-        if not self._regions.add(addr, length):
-            return
-        try:
-            ret = engine.register_memory(addr, length)
-        except Exception as exc:
-            ret, detail = -1, f": {exc}"
-        else:
-            detail = ""
-        if ret != 0:
-            self._regions.remove(addr)
-            raise RegistrationError(
-                f"Mooncake register_memory(0x{addr:x}, {length}) returned {ret}{detail}"
-            )
+        self._register_region(self._regions, self._live().register_memory, addr, length,
+                              "Mooncake")
 
     def unregister_memory(self, addr: int) -> None:
         engine = self._live()
