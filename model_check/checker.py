@@ -31,8 +31,8 @@ from hypothesis.stateful import (
 )
 
 from sfa_rd2h.model_check.cluster import FAULT_KINDS, Cluster, RequestSpec, Scope
-from sfa_rd2h.runtime.decode_core import DecodeCore
-from sfa_rd2h.runtime.prefill_core import PrefillCore
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import PrefillCore
 
 TOPOLOGIES = ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4))
 OPS_PER_RULE = 40

@@ -23,14 +23,14 @@ import msgpack
 import numpy as np
 
 from sfa_rd2h.model_check import invariants as inv
-from sfa_rd2h.runtime.actions import IssueRead, Send
-from sfa_rd2h.runtime.decode_core import DecodeCore
-from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
-from sfa_rd2h.runtime.trace import Tracer
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.spec.topology import Share, main_share, rotation, tp_mapping
+from sfa_rd2h.statemachines.cores.actions import IssueRead, Send
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
+from sfa_rd2h.statemachines.trace import Tracer
 
 BLOCK_TOKENS = 4  # tokens per KV block in the model
 MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tensor kind

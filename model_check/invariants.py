@@ -8,9 +8,30 @@ drained); trace validation calls them on events replayed from real runs. Each ra
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
+
+from sfa_rd2h.spec.invariants import BY_ID
+
+_F = TypeVar("_F", bound=Callable[..., None])
+
+#: rule ID -> names of the predicates in this module that judge it
+PREDICATES: dict[str, list[str]] = {}
+
+
+def judges(*rule_ids: str) -> Callable[[_F], _F]:
+    """Register a predicate against the catalog's rule IDs (an unknown ID fails at import)."""
+
+    def register(fn: _F) -> _F:
+        for rule_id in rule_ids:
+            if rule_id not in BY_ID:
+                raise KeyError(f"{fn.__name__} judges unknown rule {rule_id!r}")
+            PREDICATES.setdefault(rule_id, []).append(fn.__name__)
+        return fn
+
+    return register
 
 
 class InvariantViolation(AssertionError):
@@ -23,18 +44,21 @@ def _fail(rule: str, message: str) -> None:
     raise InvariantViolation(rule, message)
 
 
+@judges("W1")
 def check_w1_meta_before_ready(meta_seen: bool, connection: str, layer_idx: int) -> None:
     """W1: a READY is only ever delivered on a connection that already carried MF_META."""
     if not meta_seen:
         _fail("W1", f"READY for layer {layer_idx} delivered on {connection} before MF_META")
 
 
+@judges("C4")
 def check_c4_ready_after_landed(landed: bool, who: str, layer_idx: int) -> None:
     """C4: Prefill publishes a layer only after its scatter landed."""
     if not landed:
         _fail("C4", f"{who} sent READY for layer {layer_idx} before its KV scatter landed")
 
 
+@judges("S1", "S5")
 def check_s1_no_overwrite_while_read(readers: Mapping[tuple[str, int], int], who: str,
                                      slot: int, layer_idx: int) -> None:
     """S1/S5: a physical slot is written only when no reader of a previous owner is left."""
@@ -45,6 +69,7 @@ def check_s1_no_overwrite_while_read(readers: Mapping[tuple[str, int], int], who
                     "has not replied")
 
 
+@judges("S2")
 def check_s2_gates_by_address(layer_gates: Sequence[Sequence[object]],
                               layer_slots: Sequence[int], who: str) -> None:
     """S2: layers that share a physical slot share its gate; different slots never do."""
@@ -58,6 +83,7 @@ def check_s2_gates_by_address(layer_gates: Sequence[Sequence[object]],
         _fail("S2", f"{who}: two physical slots share one gate")
 
 
+@judges("S3", "T4")
 def check_s3_one_reply_per_ready(readys: int, replies: int, connection: str,
                                  drained: bool) -> None:
     """S3/T4: never more replies than READYs; once drained, exactly one each."""
@@ -65,12 +91,14 @@ def check_s3_one_reply_per_ready(readys: int, replies: int, connection: str,
         _fail("S3", f"{connection}: {readys} READY but {replies} replies")
 
 
+@judges("T2")
 def check_t2_main_once(member: int, main_blocks_written: int, who: str) -> None:
     """T2: only group member 0 pulls the main KV."""
     if member != 0 and main_blocks_written:
         _fail("T2", f"{who}: member {member} wrote {main_blocks_written} main blocks")
 
 
+@judges("R5")
 def check_r5_no_write_after_terminal(owners: Iterable[str | None], who: str) -> None:
     """R5: no byte lands in blocks of a request that is terminal (or never registered)."""
     dead = sorted({o or "<free>" for o in owners if o is None or o.startswith("!")})
@@ -78,6 +106,7 @@ def check_r5_no_write_after_terminal(owners: Iterable[str | None], who: str) -> 
         _fail("R5", f"{who} writes into blocks of terminated request(s) {', '.join(dead)}")
 
 
+@judges("R1", "R4")
 def check_r1_success_needs_all(ext_req_id: str, who: str, ratios_seen: set[int],
                                finals: set[int]) -> None:
     """R1/R4/T1: success needs one ratio and a final from every member of the group."""
@@ -90,12 +119,14 @@ def check_r1_success_needs_all(ext_req_id: str, who: str, ratios_seen: set[int],
                     f"of a group of {ratio}")
 
 
+@judges("R2")
 def check_r2_ranks_agree(ext_req_id: str, outcomes: Mapping[int, bool]) -> None:
     """R2: every Decode TP rank ends a request in the same terminal state."""
     if len(set(outcomes.values())) > 1:
         _fail("R2", f"{ext_req_id}: Decode ranks disagree: {dict(outcomes)}")
 
 
+@judges("R3")
 def check_r3_independent(gate_states: Iterable[str]) -> None:
     """R3: slot gates settle whatever happened to requests: free, or failed awaiting the
     compute path, once nothing is in flight."""
@@ -104,6 +135,7 @@ def check_r3_independent(gate_states: Iterable[str]) -> None:
         _fail("R3", f"slot gates still {stuck} with nothing in flight")
 
 
+@judges("R5", "L1", "T3", "F2")
 def check_data(ext_req_id: str, what: str, got: np.ndarray, want: np.ndarray) -> None:
     """R1/L1/C4/F2: a request that succeeded holds exactly the Prefill bytes."""
     if got.shape != want.shape or not np.array_equal(got, want):
@@ -112,6 +144,7 @@ def check_data(ext_req_id: str, what: str, got: np.ndarray, want: np.ndarray) ->
         _fail("R1", f"{ext_req_id} succeeded but {what}: {bad}")
 
 
+@judges("S4", "T4")
 def check_quiescence(problems: Sequence[str]) -> None:
     """S4/T4/R1 liveness: with the network drained and no timer pending, every gate is open
     or errored, every Prefill rank finished and every request is terminal."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from sfa_rd2h.runtime.decode_core import DecodeCore, DecodeRequest, _Ready
-from sfa_rd2h.runtime.prefill_core import PrefillCore, PrefillRequest
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan
 from sfa_rd2h.spec.params import RemoteDecode
 from sfa_rd2h.spec.topology import Share, main_share, prefill_share, rotation
+from sfa_rd2h.statemachines.cores.decode import DecodeCore, DecodeRequest, ServedReady
+from sfa_rd2h.statemachines.cores.prefill import PrefillCore, PrefillRequest
 from sfa_rd2h.statemachines.models import SlotGate
 
 
@@ -109,7 +109,7 @@ class TrustFirstRatio(DecodeCore):
 class FailWithoutWaiting(DecodeCore):
     """Known failure 5: a READY before destination registration fails at once."""
 
-    def _await_destinations(self, ready: _Ready, missing: frozenset[str], now: float) -> list:
+    def _await_destinations(self, ready: ServedReady, missing: frozenset[str], now: float) -> list:
         return self._reject(ready, f"C1: no destinations for {sorted(missing)}")
 
 
@@ -147,7 +147,7 @@ class TrustSourceLayout(DecodeCore):
 class SilentEmptyLayer(DecodeCore):
     """S3/T4: no reply when the Decode rank had nothing to read for the layer."""
 
-    def _must_reply(self, ready: _Ready) -> bool:
+    def _must_reply(self, ready: ServedReady) -> bool:
         return ready.read.n_reads > 0
 
 

@@ -37,14 +37,20 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sfa_rd2h.runtime.actions import Action, IssueRead, RequestFinished, RequestReady, Send
-from sfa_rd2h.runtime.decode_core import DecodeCore
 from sfa_rd2h.runtime.engines.base import TransferEngine, TransferResult
-from sfa_rd2h.runtime.prefill_core import PrefillCore
 from sfa_rd2h.runtime.tp_group import TpGroup
-from sfa_rd2h.runtime.trace import REPLY_KINDS, Tracer, summarize
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError, WireError
+from sfa_rd2h.statemachines.cores.actions import (
+    Action,
+    IssueRead,
+    RequestFinished,
+    RequestReady,
+    Send,
+)
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import PrefillCore
+from sfa_rd2h.statemachines.trace import REPLY_KINDS, Tracer, summarize
 
 log = logging.getLogger(__name__)
 

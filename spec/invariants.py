@@ -1,10 +1,11 @@
-"""The rule catalog: every rule ID of PROTOCOL.md, its meaning, and what checks it.
+"""The rule catalog: every rule ID of the protocol, its meaning, and the spec functions that
+decide it.
 
-A rule's ``checks`` name the predicates (``module:function``) that decide it: pure spec
-functions for configuration rules, and invariant predicates over a cluster observation in
-``model_check.invariants`` for behavioural ones. The model checker evaluates those after
-every step, trace validation evaluates them on real runs, and the spec snapshot exports
-this catalog so that a change of a rule is a reviewable diff.
+A rule's ``checks`` name pure spec functions (``module:function``) for configuration and
+message rules. Behavioural rules are judged by the model checker's invariant predicates,
+which register themselves against these IDs from above (``model_check.invariants``), so the
+catalog never reaches up a layer. The spec snapshot exports this catalog so that a change of
+a rule is a reviewable diff.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-
-_MC = "sfa_rd2h.model_check.invariants"
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ def _r(rule_id: str, text: str, *checks: str) -> Rule:
 RULES: tuple[Rule, ...] = (
     # Wire
     _r("W1", "MF_META is sent once per connection before any READY on it; Decode keeps it "
-             "per ZMQ identity and acknowledges it.", f"{_MC}:check_w1_meta_before_ready"),
+             "per ZMQ identity and acknowledges it."),
     _r("W2", "Prefill sends one READ_READY_BATCH per layer per Decode endpoint, carrying the "
              "read requests, the finished request ids, the member index and the TP ratio.",
        "sfa_rd2h.spec.wire:decode"),
@@ -47,46 +46,36 @@ RULES: tuple[Rule, ...] = (
        "sfa_rd2h.spec.wire:decode", "sfa_rd2h.spec.wire:layer_of"),
     # Slots on Prefill
     _r("S1", "A physical buffer is overwritten only after every Decode endpoint that received "
-             "the previous owner's READY has replied.", f"{_MC}:check_s1_no_overwrite_while_read"),
+             "the previous owner's READY has replied."),
     _r("S2", "There is one completion gate per physical main slot and one per physical "
-             "indexer slot, keyed by storage address; the two are independent.",
-       f"{_MC}:check_s2_gates_by_address"),
-    _r("S3", "Every READY gets exactly one reply, also when the Decode rank owns no blocks.",
-       f"{_MC}:check_s3_one_reply_per_ready"),
+             "indexer slot, keyed by storage address; the two are independent."),
+    _r("S3", "Every READY gets exactly one reply, also when the Decode rank owns no blocks."),
     _r("S4", "On READ_FAILED or a send error Prefill records the layer error and releases the "
-             "gate so the compute path raises rather than waits.", f"{_MC}:check_quiescence"),
+             "gate so the compute path raises rather than waits."),
     _r("S5", "A reply counts once per endpoint, layer and publication; duplicates and stale "
-             "replies never release a gate early; a vanished peer fails its outstanding reads.",
-       f"{_MC}:check_s1_no_overwrite_while_read"),
+             "replies never release a gate early; a vanished peer fails its outstanding reads."),
     # Requests on Decode
     _r("R1", "Decode schedules a request only when every contributor of its group reported "
-             "the final layer and every Decode TP rank reached a terminal state.",
-       f"{_MC}:check_r1_success_needs_all"),
+             "the final layer and every Decode TP rank reached a terminal state."),
     _r("R2", "Contributor state is keyed by external request id; terminal status is agreed "
-             "across the Decode TP group and mapped back to the vLLM request id.",
-       f"{_MC}:check_r2_ranks_agree"),
+             "across the Decode TP group and mapped back to the vLLM request id."),
     _r("R3", "Slot completion (Prefill memory reuse) and request completion (Decode "
-             "scheduling) are tracked independently.", f"{_MC}:check_r3_independent"),
-    _r("R4", "A repeated final-layer signal from one contributor does not advance completion.",
-       f"{_MC}:check_r1_success_needs_all"),
+             "scheduling) are tracked independently."),
+    _r("R4", "A repeated final-layer signal from one contributor does not advance completion."),
     _r("R5", "A failed read fails the request and invalidates its destination blocks, reported "
-             "once; no read is silently retried and nothing is written after a terminal state.",
-       f"{_MC}:check_r5_no_write_after_terminal", f"{_MC}:check_data"),
+             "once; no read is silently retried and nothing is written after a terminal state."),
     # Layout
     _r("L1", "Before reading, Decode checks tensor counts, byte lengths, indexer and LIC8 "
              "presence and layout, and the destination range; a mismatch fails the layer "
-             "without touching the destination.", "sfa_rd2h.spec.layout:validate_layer",
-       f"{_MC}:check_data"),
+             "without touching the destination.", "sfa_rd2h.spec.layout:validate_layer"),
     # Unequal TP
     _r("T1", "p_tp >= d_tp and p_tp % d_tp == 0; ratio = p_tp // d_tp; d_rank = p_rank // "
              "ratio; member = p_rank % ratio; anything else is refused at start-up.",
        "sfa_rd2h.spec.topology:tp_mapping"),
-    _r("T2", "Only member 0 of a contributor group pulls the main KV for its Decode rank.",
-       f"{_MC}:check_t2_main_once"),
+    _r("T2", "Only member 0 of a contributor group pulls the main KV for its Decode rank."),
     _r("T3", "Members pull disjoint indexer (and LIC8 scale) ranges whose union is the whole "
-             "range.", f"{_MC}:check_data", "sfa_rd2h.spec.topology:indexer_share"),
-    _r("T4", "A member without blocks still acknowledges the layer and counts for completion.",
-       f"{_MC}:check_s3_one_reply_per_ready", f"{_MC}:check_quiescence"),
+             "range.", "sfa_rd2h.spec.topology:indexer_share"),
+    _r("T4", "A member without blocks still acknowledges the layer and counts for completion."),
     _r("T5", "Decode ranks pull disjoint parts of the main KV into the shared pool; small "
              "chunks rotate across ranks.", "sfa_rd2h.spec.topology:main_share"),
     # Ports
@@ -104,12 +93,11 @@ RULES: tuple[Rule, ...] = (
     _r("C3", "A prompt list expands to sub-requests on Decode; the proxy collects every "
              "rendezvous and dispatches the list to Prefill once."),
     _r("C4", "Prefill sends READY only after the layer's scatter landed (device event); "
-             "Decode validates, plans one batched read for all ready requests, and replies.",
-       f"{_MC}:check_c4_ready_after_landed"),
+             "Decode validates, plans one batched read for all ready requests, and replies."),
     # Faults
     _r("F1", "Metaserver transport errors are retried; an HTTP error response counts as "
              "delivered."),
-    _r("F2", "A non-zero transfer result becomes READ_FAILED.", f"{_MC}:check_data"),
+    _r("F2", "A non-zero transfer result becomes READ_FAILED."),
     _r("F3", "Prefill and Decode agree on protocol and layout version at the handshake; a "
              "mismatch is refused naming both versions.", "sfa_rd2h.spec.wire:check_versions"),
     _r("F4", "The process-wide MemFabric engine is bound to one role, device and hostname."),
@@ -130,6 +118,6 @@ BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
 
 
 def resolve(check: str) -> Callable:
-    """Import the predicate a rule names (``module:function``)."""
+    """Import the spec function a rule names (``module:function``)."""
     module, _, name = check.partition(":")
     return getattr(importlib.import_module(module), name)

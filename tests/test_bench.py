@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from sfa_rd2h.runtime.bench import BENCHMARKS, QUICK_SKIPS
-from sfa_rd2h.runtime.cli import main
+from sfa_rd2h.runtime.tools.bench import BENCHMARKS, QUICK_SKIPS
+from sfa_rd2h.runtime.tools.cli import main
 
 
 def run_cli(*argv: str) -> tuple[int, str]:

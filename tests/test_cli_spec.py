@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sfa_rd2h.runtime.cli import main
+from sfa_rd2h.runtime.tools.cli import main
 from sfa_rd2h.spec import invariants
 from sfa_rd2h.statemachines import render, snapshot
 
@@ -111,7 +111,7 @@ def test_plan_rejects_invalid(args, rule, capsys):
 
 
 def test_only_the_namespaced_package_is_importable(tmp_path):
-    code = "import sfa_rd2h.spec, sfa_rd2h.runtime.cli\ntry:\n    import spec\nexcept " \
+    code = "import sfa_rd2h.spec, sfa_rd2h.runtime.tools.cli\ntry:\n    import spec\nexcept " \
            "ModuleNotFoundError:\n    print('ok')\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True)

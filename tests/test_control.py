@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import zmq
 
-from sfa_rd2h.runtime.actions import RequestFinished
 from sfa_rd2h.runtime.control import (
     AgreementLoop,
     BindError,
@@ -30,14 +29,16 @@ from sfa_rd2h.runtime.control import (
     LayerSendTimeout,
     PrefillWorker,
 )
-from sfa_rd2h.runtime.decode_core import DecodeCore
 from sfa_rd2h.runtime.engines.host import HostEngine
-from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
+from sfa_rd2h.runtime.tools.validate import cmd_validate
 from sfa_rd2h.runtime.tp_group import SingleRankGroup
-from sfa_rd2h.runtime.trace import Tracer, cmd_validate, summarize, validate
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.spec.topology import tp_mapping
+from sfa_rd2h.statemachines.cores.actions import RequestFinished
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
+from sfa_rd2h.statemachines.trace import Tracer, summarize, validate
 
 TB = (64, 64, 16)  # bytes per block: main K, main V, indexer
 BLOCK = 4  # tokens per block
@@ -568,7 +569,7 @@ def test_agreement_loop_cadence_and_merge() -> None:
     """Rounds are spaced by round_wait when idle (no busy loop), a new outcome starts the
     next round at once, a failure reported after a success sticks (R4, T1), and the loop
     ends after the round in which ``until`` holds."""
-    from sfa_rd2h.runtime.actions import RequestReady
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
 
     calls: list[tuple[float, dict[str, bool]]] = []
     cond = threading.Condition()

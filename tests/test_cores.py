@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from sfa_rd2h.runtime.actions import IssueRead, RequestReady, Send
-from sfa_rd2h.runtime.decode_core import DecodeCore
-from sfa_rd2h.runtime.prefill_core import LayerSendError, PrefillCore
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.spec.topology import tp_mapping
+from sfa_rd2h.statemachines.cores.actions import IssueRead, RequestReady, Send
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
 
 MAIN, IDX = 16, 8
 

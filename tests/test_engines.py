@@ -34,7 +34,7 @@ from sfa_rd2h.runtime.engines import host as host_mod
 from sfa_rd2h.runtime.engines.base import coalesce, descriptor_arrays
 from sfa_rd2h.runtime.engines.host import HostEngine, cma_status
 from sfa_rd2h.runtime.engines.memfabric import MemFabricEngine, bound_config, npu_visible
-from sfa_rd2h.runtime.probe import add_probe_parser, cmd_probe, pattern, run_local_probe
+from sfa_rd2h.runtime.tools.probe import add_probe_parser, cmd_probe, pattern, run_local_probe
 
 TENSOR_BYTES = 1 << 20
 ARRAY_BYTES = 3 << 20
@@ -600,7 +600,7 @@ def test_probe_cli_two_endpoints_through_a_rendezvous_file(
     common = ["--engine", "host", "--host-mode", "shm", "--rendezvous", rendezvous,
               "--timeout", "30"]
     prefill = subprocess.Popen(
-        [sys.executable, "-m", "sfa_rd2h.runtime.probe", "--role", "prefill", "--bytes", "3M",
+        [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill", "--bytes", "3M",
          *common],
         stdout=subprocess.PIPE, text=True)
     try:

@@ -13,7 +13,7 @@ from sfa_rd2h.model_check.checker import run_check
 from sfa_rd2h.model_check.cluster import Cluster, RequestSpec, Scope, scope_from_json
 from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, explore
 from sfa_rd2h.model_check.invariants import InvariantViolation
-from sfa_rd2h.runtime.cli import main
+from sfa_rd2h.runtime.tools.cli import main
 from sfa_rd2h.spec.errors import TopologyError
 
 PINNED = Path(__file__).parent / "data" / "mutant_counterexamples.json"
@@ -149,7 +149,7 @@ def test_model_runs_pass_the_runtime_trace_validator(tmp_path, seed):
     `sfa-rd2h validate`: model and runtime judge the protocol by the same tables."""
     import random
 
-    from sfa_rd2h.runtime.trace import validate
+    from sfa_rd2h.statemachines.trace import validate
 
     rng = random.Random(seed)
     scope = Scope(p_tp=4, d_tp=2, n_layers=3, n_slots=2, scale=True,
@@ -174,7 +174,7 @@ def test_runtime_trace_validator_flags_duplicated_replies_in_model_runs(tmp_path
     anomaly on the wire, and the validator reports it from the model's traces (S3)."""
     import random
 
-    from sfa_rd2h.runtime.trace import validate
+    from sfa_rd2h.statemachines.trace import validate
 
     flagged = []
     for seed in range(12):

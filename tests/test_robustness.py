@@ -6,13 +6,13 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sfa_rd2h.runtime.actions import IssueRead, Send
-from sfa_rd2h.runtime.decode_core import DecodeCore
-from sfa_rd2h.runtime.prefill_core import PrefillCore
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.spec.topology import tp_mapping
+from sfa_rd2h.statemachines.cores.actions import IssueRead, Send
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import PrefillCore
 
 META = wire.LayerMeta((0x1000, 0x2000, 0x3000), (16, 16, 8), (1, 1, 1), (0, 0, 1), 2, True)
 DEST = DestLayout((0x900000, 0x910000, 0x920000), (16, 16, 8), (32, 32, 32), 2, True, False)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sfa_rd2h.model_check.cluster import pattern
-from sfa_rd2h.runtime.demo import (
+from sfa_rd2h.runtime.tools.demo import (
     BYTES_PER_TOKEN,
     DemoConfig,
     DemoResult,
@@ -32,7 +32,7 @@ from sfa_rd2h.runtime.demo import (
     n_blocks,
     run_demo,
 )
-from sfa_rd2h.runtime.trace import validate
+from sfa_rd2h.statemachines.trace import validate
 
 SMALL = {"layers": 4, "slots": 2, "requests": 6, "block_tokens": 16, "chunk_tokens": 32,
          "max_tokens": 96, "timeout": 90.0, "progress": False}

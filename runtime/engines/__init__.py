@@ -3,16 +3,15 @@ Mooncake. Import ``make_engine`` and the interface from here; engine modules loa
 a CPU machine never imports an accelerator library it does not have."""
 
 from sfa_rd2h.runtime.engines.base import (
-    ENGINE_NAMES,
     EngineConfigError,
     EngineError,
     EngineUnavailable,
     RegistrationError,
     TransferEngine,
     TransferResult,
-    make_engine,
     tensor_region,
 )
+from sfa_rd2h.runtime.engines.factory import ENGINE_NAMES, make_engine
 
 __all__ = [
     "ENGINE_NAMES",

@@ -442,8 +442,8 @@ def bench_machines(sizes: Sizes) -> list[Result]:
 
 
 def bench_decode_core(sizes: Sizes) -> Result:
-    from sfa_rd2h.runtime.actions import IssueRead, Send
-    from sfa_rd2h.runtime.decode_core import DecodeCore
+    from sfa_rd2h.statemachines.cores.actions import IssueRead, Send
+    from sfa_rd2h.statemachines.cores.decode import DecodeCore
 
     case = layer_case(sizes.requests, sizes.blocks)
     peer, layer = "prefill-0", "model.layers.0.self_attn.attn"
@@ -506,11 +506,11 @@ def bench_host_read(sizes: Sizes, timeout: float = 120.0) -> Result:
     process). When done, the probe's own decode role reads once more, verifies every byte
     and tells the owner to exit, so the owner's shutdown path is the probe's.
     """
-    from sfa_rd2h.runtime.engines.base import make_engine
-    from sfa_rd2h.runtime.probe import pattern, run_probe
+    from sfa_rd2h.runtime.engines import make_engine
+    from sfa_rd2h.runtime.tools.probe import pattern, run_probe
 
     nbytes, block = sizes.read_bytes, sizes.read_block
-    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.probe", "--role", "prefill",
+    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill",
            "--engine", "host", "--bytes", str(nbytes), "--timeout", str(timeout)]
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)

@@ -25,14 +25,12 @@ not shut down cleanly, and end-of-run completeness checks are then skipped for t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -484,55 +482,3 @@ def validate(paths: Iterable[str | os.PathLike[str]]) -> Report:
         v.load(os.fspath(path))
     v.cross()
     return v.report
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def add_validate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``validate TRACE...`` to an argparse sub-command set; handler ``cmd_validate``."""
-    p = subparsers.add_parser(
-        "validate",
-        help="replay JSON-lines traces through the machines and cross-process invariants",
-        description="Exit 0 when the traces are valid, 1 at a divergence (printed with "
-                    "file:line), 2 when no trace was given.",
-    )
-    p.add_argument("traces", nargs="+", help="trace files or folders of *.jsonl files")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_validate)
-    return p
-
-
-def _expand(items: Sequence[str]) -> list[str]:
-    out: list[str] = []
-    for item in items:
-        path = Path(item)
-        if path.is_dir():
-            out += [str(p) for p in sorted(path.glob("*.jsonl"))]
-        else:
-            out.append(item)
-    return out
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    paths = _expand(args.traces)
-    if not paths:
-        print("no trace files given", file=sys.stderr)
-        return 2
-    report = validate(paths)
-    if getattr(args, "json", False):
-        print(json.dumps({
-            "ok": report.ok, "files": report.files, "records": report.records,
-            "transitions": report.transitions, "messages": report.messages,
-            "divergences": [str(d) for d in report.divergences],
-        }))
-    else:
-        print(report.summary())
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _parser = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.trace")
-    add_validate_parser(_parser.add_subparsers(dest="command", required=True))
-    _args = _parser.parse_args(["validate", *sys.argv[1:]])
-    sys.exit(cmd_validate(_args))

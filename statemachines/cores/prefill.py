@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sfa_rd2h.runtime.actions import Action, Send
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.params import RemoteDecode, parse_remote_decode
 from sfa_rd2h.spec.topology import Share, TpMapping, prefill_share, rotation
+from sfa_rd2h.statemachines.cores.actions import Action, Send
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import PeerSession, SlotGate
 

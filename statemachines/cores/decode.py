@@ -19,10 +19,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sfa_rd2h.runtime.actions import Action, IssueRead, RequestFinished, RequestReady, Send
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
+from sfa_rd2h.statemachines.cores.actions import (
+    Action,
+    IssueRead,
+    RequestFinished,
+    RequestReady,
+    Send,
+)
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import LayerRead, RequestStatus
 
@@ -38,7 +44,7 @@ class DecodeRequest:
 
 
 @dataclass(eq=False)
-class _Ready:
+class ServedReady:
     """One READY being served, with what the core decided for it."""
 
     peer: str
@@ -84,8 +90,8 @@ class DecodeCore:
         self.terminal: dict[str, bool] = {}
         self._failed_unregistered: dict[str, str] = {}
         self.memory = memory
-        self._waiting: list[_Ready] = []
-        self._inflight: dict[int, _Ready] = {}
+        self._waiting: list[ServedReady] = []
+        self._inflight: dict[int, ServedReady] = {}
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
         self.stats = DecodeStats()
@@ -169,7 +175,7 @@ class DecodeCore:
         if layer is None:
             return []
         read = self._reads.start(LayerRead(self._read_key(peer, layer), layer))
-        return self._reject(_Ready(peer, None, read), f"W5: {exc}")
+        return self._reject(ServedReady(peer, None, read), f"W5: {exc}")
 
     def _on_meta(self, peer: str, msg: wire.MfMeta) -> list[Action]:
         ack = wire.check_versions(msg)
@@ -184,7 +190,7 @@ class DecodeCore:
 
     def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float) -> list[Action]:
         read = self._reads.start(LayerRead(self._read_key(peer, msg.layer_idx), msg.layer_idx))
-        ready = _Ready(peer, msg, read)
+        ready = ServedReady(peer, msg, read)
         meta = self.connections.get(peer)
         if meta is None:
             return self._reject(ready, f"W1: READY for layer {msg.layer_idx} before MF_META "
@@ -217,7 +223,7 @@ class DecodeCore:
     def _final_signal(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> tuple[int, int]:
         return msg.group_member_idx, msg.tp_ratio
 
-    def _await_destinations(self, ready: _Ready, missing: frozenset[str],
+    def _await_destinations(self, ready: ServedReady, missing: frozenset[str],
                             now: float) -> list[Action]:
         """C1 (known failure 5): wait a bounded time for vLLM to register destinations."""
         ready.read.missing = missing
@@ -256,7 +262,7 @@ class DecodeCore:
     def _transfer_result(self, result: int) -> int:
         return result
 
-    def _must_reply(self, ready: _Ready) -> bool:
+    def _must_reply(self, ready: ServedReady) -> bool:
         return True
 
     def _live_entries(self, msg: wire.ReadReadyBatch) -> tuple[list[wire.ReadReq], list[Action]]:
@@ -282,7 +288,7 @@ class DecodeCore:
                 self.stats.skipped_entries += 1
         return live, actions
 
-    def _plan(self, ready: _Ready, now: float) -> list[Action]:
+    def _plan(self, ready: ServedReady, now: float) -> list[Action]:
         """Build one batched read for every live request of the layer (C4, L1)."""
         msg = ready.msg
         meta = self.connections.get(ready.peer)
@@ -318,11 +324,11 @@ class DecodeCore:
         self._reads.fire(ready.read, "read_completed", self._transfer_result(result))
         return self._finish(ready)
 
-    def _reject(self, ready: _Ready, error: str) -> list[Action]:
+    def _reject(self, ready: ServedReady, error: str) -> list[Action]:
         self._reads.fire(ready.read, "reject", error)
         return self._finish(ready)
 
-    def _finish(self, ready: _Ready) -> list[Action]:
+    def _finish(self, ready: ServedReady) -> list[Action]:
         """Exactly one reply per READY (S3), then request bookkeeping (R1, R4, R5)."""
         read, msg = ready.read, ready.msg
         actions: list[Action] = []

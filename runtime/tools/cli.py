@@ -238,10 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
     p.set_defaults(func=cmd_mutants)
 
-    from sfa_rd2h.runtime.bench import add_bench_parser
-    from sfa_rd2h.runtime.demo import add_demo_parser
-    from sfa_rd2h.runtime.probe import add_probe_parser
-    from sfa_rd2h.runtime.trace import add_validate_parser
+    from sfa_rd2h.runtime.tools.bench import add_bench_parser
+    from sfa_rd2h.runtime.tools.demo import add_demo_parser
+    from sfa_rd2h.runtime.tools.probe import add_probe_parser
+    from sfa_rd2h.runtime.tools.validate import add_validate_parser
 
     add_demo_parser(sub)
     add_validate_parser(sub)

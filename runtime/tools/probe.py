@@ -9,7 +9,7 @@ printed JSON line), or ``run_local_probe`` spawns the prefill side as a separate
 Descriptors are issued in a shuffled block order so the engine cannot merge them into one copy;
 the number measured is the engine's cost for a realistic scattered batch.
 
-CLI (wired by ``sfa-rd2h probe``; also ``python -m sfa_rd2h.runtime.probe``)::
+CLI (wired by ``sfa-rd2h probe``; also ``python -m sfa_rd2h.runtime.tools.probe``)::
 
     sfa-rd2h probe --role local --engine host --bytes 256M
     sfa-rd2h probe --role prefill --engine memfabric --store-url tcp://10.0.0.1:6650 \\
@@ -35,14 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from sfa_rd2h.runtime.engines.base import (
+from sfa_rd2h.runtime.engines import (
     ENGINE_NAMES,
     EngineError,
     TransferEngine,
     make_engine,
-    parse_session,
     tensor_region,
 )
+from sfa_rd2h.runtime.engines.base import parse_session
 
 DEFAULT_BYTES = 64 << 20
 DEFAULT_BLOCK = 4 << 20
@@ -336,7 +336,7 @@ def run_local_probe(
     device: str = "cpu",
     options: argparse.Namespace | None = None,
 ) -> dict[str, Any]:
-    """Prefill in a separate ``python -m sfa_rd2h.runtime.probe`` process, decode here.
+    """Prefill in a separate ``python -m sfa_rd2h.runtime.tools.probe`` process, decode here.
 
     ``options`` carries engine flags (as parsed by the probe parser); defaults otherwise.
     """
@@ -344,7 +344,7 @@ def run_local_probe(
     # Fail here, with the engine's own message, if it cannot exist on this machine at all,
     # rather than as a child that never announced itself.
     _open_engine(engine, "decode", _engine_kwargs(engine, ns)).close()
-    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.probe", "--role", "prefill",
+    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill",
            "--engine", engine, "--bytes", str(nbytes), "--host", host,
            "--timeout", str(timeout), "--device", device, *_engine_args(engine, ns)]
     with tempfile.TemporaryFile(mode="w+") as err:
@@ -427,7 +427,7 @@ def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.probe",
+    p = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.tools.probe",
                                 description="two-endpoint transfer-engine probe")
     _add_probe_arguments(p)
     return p

@@ -1,0 +1,177 @@
+"""The demo's workload: configuration, the deterministic KV byte patterns, and the requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from sfa_rd2h.runtime.engines import (
+    ENGINE_NAMES,
+)
+from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.topology import decode_base_port, tp_mapping
+
+INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv")
+# Bytes per token of each tensor, in wire order: main K and V (256 x bf16 each), the
+# indexer key (128 x int8) and its LIC8 scale (one fp32 per token).
+BYTES_PER_TOKEN = (512, 512, 128, 4)
+_INV13 = 157  # 13 * 157 = 2041 = 8 * 255 + 1: the inverse of 13 modulo 255
+SHM_DIR = "/dev/shm"
+
+
+class DemoConfigError(ValueError):
+    """The requested deployment is invalid; the message names the rule."""
+
+
+# ============================================================================ data model
+
+
+def tensor_bytes(block_tokens: int, indexer: bool, scale: bool) -> tuple[int, ...]:
+    """Block bytes per tensor, main K and V first, then indexer and LIC8 scale (W1 order)."""
+    n = 2 + int(indexer) + int(indexer and scale)
+    return tuple(b * block_tokens for b in BYTES_PER_TOKEN[:n])
+
+
+class Patterns:
+    """``model_check.cluster.pattern`` for one tensor size, vectorised.
+
+    ``pattern(seed)[k] = (13 k + seed) % 255 + 1``, and ``13 j = seed (mod 255)`` for
+    ``j = 157 seed``, so every block pattern is the window ``tape[j : j + nbytes]`` of one
+    tape: producing or checking a batch of blocks is a gather of rows, not arithmetic.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        tape = ((np.arange(nbytes + 254, dtype=np.int64) * 13) % 255 + 1).astype(np.uint8)
+        self.windows = sliding_window_view(tape, nbytes)
+
+    def blocks(self, req: int, layer: int, pos: np.ndarray, tensor: int) -> np.ndarray:
+        """``(len(pos), nbytes)`` pattern bytes of blocks ``pos`` of one request and layer."""
+        seed = (req * 61 + layer * 17 + np.asarray(pos, dtype=np.int64) * 7 + tensor * 3
+                + 1) % 251
+        return self.windows[(seed * _INV13) % 255]
+
+
+def n_blocks(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+# ============================================================================ configuration
+
+
+@dataclass
+class DemoConfig:
+    p_tp: int = 4
+    d_tp: int = 2
+    layers: int = 8
+    slots: int = 3
+    requests: int = 16
+    indexer: bool = True
+    scale: bool = True
+    engine: str = "host"
+    host_mode: str = "auto"  # host engine: cma, shm, or auto (cma where permitted)
+    inject: str = "none"
+    timeout: float = 120.0
+    kv_port: int | None = None  # Decode base port; None: a free span is picked
+    trace_dir: str | None = None  # None: traces go to a temporary folder, still validated
+    block_tokens: int = 128
+    chunk_tokens: int = 512
+    max_tokens: int = 2048
+    host: str = "127.0.0.1"
+    seed: int = 0
+    progress: bool = True
+
+    @property
+    def inject_layer(self) -> int:
+        return self.layers // 2
+
+    def check(self) -> None:
+        """Validate before anything starts; errors name the rule they enforce."""
+        try:
+            tp_mapping(self.p_tp, self.d_tp)
+            if self.kv_port is not None:
+                decode_base_port(self.kv_port, 0, self.d_tp)
+        except ProtocolError as exc:
+            raise DemoConfigError(str(exc)) from None
+        if self.engine not in ENGINE_NAMES:
+            raise DemoConfigError(f"unknown engine {self.engine!r}; known: {ENGINE_NAMES}")
+        if self.inject not in INJECTIONS:
+            raise DemoConfigError(f"unknown injection {self.inject!r}; known: {INJECTIONS}")
+        for name, lo in (("layers", 1), ("slots", 1), ("requests", 1), ("block_tokens", 1)):
+            if getattr(self, name) < lo:
+                raise DemoConfigError(f"--{name.replace('_', '-')} must be >= {lo}")
+        if self.chunk_tokens < self.block_tokens or self.chunk_tokens % self.block_tokens:
+            raise DemoConfigError("C2: --chunk-tokens must be a positive multiple of "
+                                  "--block-tokens (non-final chunks end on block boundaries)")
+        if self.max_tokens < self.block_tokens:
+            raise DemoConfigError("--max-tokens must be >= --block-tokens")
+        if not self.timeout > 0:
+            raise DemoConfigError("--timeout must be > 0")
+        if self.inject != "none" and self.layers < 2:
+            raise DemoConfigError("an injection needs at least 2 layers")
+        if self.inject == "read-failure":
+            victim_blocks = min(self.chunk_tokens, self.max_tokens) // self.block_tokens
+            if not self.indexer and victim_blocks < self.d_tp:
+                raise DemoConfigError(
+                    f"T5: read-failure without an indexer needs a victim chunk of at least "
+                    f"d_tp={self.d_tp} blocks so Decode rank 0 pulls part of it")
+
+
+@dataclass
+class Workload:
+    jobs: list[tuple[str, list[str]]]  # (job id, prompts); one job is a prompt list (C3)
+    index: dict[str, int]  # external request id -> pattern request index
+    tokens: dict[str, int]
+    victim: str | None  # read-failure: the request whose reads fail
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.index)
+
+
+def make_workload(cfg: DemoConfig) -> Workload:
+    rng = np.random.default_rng(cfg.seed)
+    lengths = [int(x) for x in rng.integers(cfg.block_tokens // 2 + 1, cfg.max_tokens + 1,
+                                            size=cfg.requests)]
+    n_list = min(4, cfg.requests // 2) if cfg.requests >= 4 else 0
+    # The victim is the first prompt of the list (C3) when there is one: the list reaches
+    # Prefill later than the single prompts, so its step mixes it with requests already
+    # under way; otherwise the second request.
+    singles = cfg.requests - n_list
+    victim_i = singles if n_list else min(1, cfg.requests - 1)
+    if cfg.inject == "read-failure":
+        lengths[victim_i] = min(cfg.chunk_tokens, cfg.max_tokens)  # exactly one step (C2)
+    filler = "the quick brown fox jumps over the lazy dog; " * (cfg.max_tokens // 40 + 2)
+    prompts = [(f"[{i}] " + filler)[:n] for i, n in enumerate(lengths)]
+    jobs: list[tuple[str, list[str]]] = []
+    for i in range(singles):
+        jobs.append((f"demo{i}", [prompts[i]]))
+    if n_list:
+        jobs.append((f"demo{singles}", prompts[singles:]))
+    index: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    i = 0
+    for job_id, ps in jobs:
+        for k, p in enumerate(ps):
+            ext = f"{job_id}-{k}"  # the proxy's sub-request ids
+            index[ext] = i
+            tokens[ext] = len(p.encode())  # the proxy's stand-in tokenizer
+            i += 1
+    victim = list(index)[victim_i] if cfg.inject in ("read-failure", "stale-kv") else None
+    return Workload(jobs, index, tokens, victim)
+
+
+def engine_kwargs(cfg: DemoConfig, role: str) -> dict[str, Any]:
+    if cfg.engine == "memfabric":
+        return {"role": role}
+    if cfg.engine == "host":
+        return {"mode": cfg.host_mode}
+    return {}
+
+
+# ============================================================================ children
+
+# Everything a child needs, as plain data (spawned processes get it pickled).
+
