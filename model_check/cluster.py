@@ -26,7 +26,7 @@ from sfa_rd2h.model_check import invariants as inv
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
-from sfa_rd2h.spec.topology import Share, main_share, rotation, tp_mapping
+from sfa_rd2h.spec.topology import tp_mapping
 from sfa_rd2h.statemachines.cores.actions import IssueRead, Send
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
@@ -37,7 +37,8 @@ MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tens
 P_BASE, D_BASE = 0x1000, 0x100000
 D_PORT = 7000
 FOREVER = 1e9
-FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode")
+FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode",
+               "rogue_ready", "rogue_meta")
 
 Op = tuple
 
@@ -87,14 +88,8 @@ def pattern(req: int, layer: int, pos: int, tensor: int, nbytes: int) -> np.ndar
 
 
 class LegacyPrefillCore(PrefillCore):
-    """A Prefill rank built before unequal TP: 5-field READY (W4) and the whole group's
-    share as if it were the only member (the mixed-build hazard of T1)."""
-
-    def _share(self, req, start, stop):  # type: ignore[no-untyped-def]
-        d_rank = self.mapping.d_rank(self.p_rank)
-        main = main_share(start, stop, d_rank, self.mapping.d_tp,
-                          rotation(req.ext_req_id, start, self.mapping.d_tp))
-        return Share(main=main, indexer=(start, stop))
+    """A Prefill rank built before unequal TP: 5-field READY (W4), so Decode takes it for
+    member 0 of a group of one (the mixed-build hazard of T1)."""
 
     def _ready_payloads(self, layer_idx):  # type: ignore[no-untyped-def]
         out = {}
@@ -115,8 +110,12 @@ class _Ghost:
     meta_seen: set[tuple[int, int]] = field(default_factory=set)
     ratios: dict[tuple[int, str], set[int]] = field(default_factory=dict)  # (d, ext)
     finals: dict[tuple[int, str], set[int]] = field(default_factory=dict)
-    read_origin: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    read_origin: dict[tuple[int, int], tuple[int, int, int, bool]] = field(default_factory=dict)
     last_final: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    main_writes: Counter = field(default_factory=Counter)  # (instance, layer, tensor, block)
+    replays: Counter = field(default_factory=Counter)  # ((p, d), payload) replays in flight
+    last_ready: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    rogue_replies: Counter = field(default_factory=Counter)  # rogue identity -> replies
 
 
 class Cluster:
@@ -169,7 +168,9 @@ class Cluster:
         self.p_errors = 0
         self.d_now = [0.0] * self.n_d
         self.ghost = _Ghost()
-        self._ready_in_hand: tuple[int, wire.ReadReadyBatch] | None = None
+        # (p, READY, is a replay[, "rogue"]) while Decode handles a delivered READY
+        self._ready_in_hand: tuple | None = None
+        self._rogues = 0
         self._by_kind: dict[str, list[Op]] | None = None
         # who owns each destination block: main pool per instance, indexer copy per rank
         self.block_owner = [np.full(self.d_blocks, "", dtype=object)
@@ -374,6 +375,10 @@ class Cluster:
                 ops += [("garbage", *key) for key in self.to_d]
             if "restart_decode" in kinds:
                 ops += [("restart_decode", inst) for inst in range(s.d_instances)]
+            if "rogue_ready" in kinds:
+                ops += [("rogue_ready", *key) for key in self.ghost.last_ready]
+            if "rogue_meta" in kinds:
+                ops += [("rogue_meta", g) for g in range(self.n_d)]
         return ops
 
     def enabled_by_kind(self) -> dict[str, list[Op]]:
@@ -388,7 +393,7 @@ class Cluster:
         """Perform one operation; return a one-line description for counterexamples."""
         self._by_kind = None
         kind = op[0]
-        if kind in ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode"):
+        if kind in FAULT_KINDS:
             self.faults += 1
         return getattr(self, f"_op_{kind}")(*op[1:])
 
@@ -469,6 +474,11 @@ class Cluster:
     def _op_to_decode(self, p: int, d: int) -> str:
         payload = self.to_d[(p, d)].popleft()
         desc = f"D{d} receives {_describe(payload)} from P{p}"
+        # A replayed READY legitimately rewrites what its original wrote (R4 is about
+        # completion, not bytes), so its reads are left out of the write-once count.
+        replay = self.ghost.replays[((p, d), payload)] > 0
+        if replay:
+            self.ghost.replays[((p, d), payload)] -= 1
         layer = wire.layer_of(payload)
         if layer is not None:
             self.ghost.readys[(p, d)] += 1
@@ -491,7 +501,8 @@ class Cluster:
                             msg.group_member_idx)
                 if msg.done_ext_ids:
                     self.ghost.last_final[(p, d)] = payload
-                self._ready_in_hand = (p, msg)
+                self.ghost.last_ready[(p, d)] = payload
+                self._ready_in_hand = (p, msg, replay)
         elif _kind(payload) == wire.MF_META:
             self.ghost.meta_seen.add((p, d))
         self._trace_msg(f"decode{d}", "recv", self._identity(p, d), payload)
@@ -527,7 +538,13 @@ class Cluster:
 
     def _emit_decode(self, d: int, actions: list) -> None:
         for a in actions:
-            if isinstance(a, Send):
+            if isinstance(a, Send) and "rogue" in a.peer:
+                self._trace_msg(f"decode{d}", "send", a.peer, a.payload)
+                self.ghost.rogue_replies[a.peer] += 1  # the rogue reads nothing back
+            elif isinstance(a, IssueRead) and self._ready_in_hand is not None and \
+                    len(self._ready_in_hand) == 4:
+                inv.check_w1_no_read_without_meta(f"D{d}", self._ready_in_hand[1].layer_idx)
+            elif isinstance(a, Send):
                 p = int(a.peer[1:].split("@")[0])
                 self._trace_msg(f"decode{d}", "send", a.peer, a.payload)
                 if _kind(a.payload) in (wire.READ_DONE, wire.READ_FAILED):
@@ -538,9 +555,9 @@ class Cluster:
                 self.to_p[(p, d)].append(a.payload)
             elif isinstance(a, IssueRead):
                 if self._ready_in_hand is not None:
-                    p, msg = self._ready_in_hand
+                    p, msg, replay = self._ready_in_hand
                     self.ghost.read_origin[(d, a.read_id)] = (p, msg.layer_idx,
-                                                              msg.group_member_idx)
+                                                              msg.group_member_idx, replay)
                 self.reads[d].append(a)
             # RequestReady / RequestFinished: the agreement operation polls local_outcome.
 
@@ -557,7 +574,8 @@ class Cluster:
         self._emit_decode(d, actions)
         return f"D{d} batched read {req.read_id} ({len(req.plan)} descriptors) -> {result}"
 
-    def _transfer(self, d: int, req: IssueRead, origin: tuple[int, int, int] | None) -> int:
+    def _transfer(self, d: int, req: IssueRead,
+                  origin: tuple[int, int, int, bool] | None) -> int:
         """The engine: bounds-check every descriptor, then copy all of them (or none)."""
         p = int(req.session.split(":")[0][1:])
         src, dst = self.p_mem[p], self.d_mem
@@ -575,9 +593,26 @@ class Cluster:
             main_written += len(owners) if is_main else 0
         if origin is not None:
             inv.check_t2_main_once(origin[2], main_written, f"D{d} read from P{origin[0]}")
+        if origin is not None and not origin[3]:
+            for lo, ln in zip(local.tolist(), n.tolist(), strict=True):
+                self._count_main_writes(lo + D_BASE, ln, d)
         for lo, pe, ln in zip(local.tolist(), peer.tolist(), n.tolist(), strict=True):
             dst[lo:lo + ln] = src[pe:pe + ln]
         return 0
+
+    def _count_main_writes(self, addr: int, length: int, d: int) -> None:
+        k = int(np.searchsorted(self.region_starts, addr, side="right")) - 1
+        start, end, kind, layer, tensor, owner = self.d_regions[k]
+        if kind != "main":
+            return
+        nbytes = self._d_bytes(layer, tensor)
+        first = (addr - start) // nbytes
+        last = (min(addr + length, end) - 1 - start) // nbytes
+        for b in range(first, last + 1):
+            key = (owner, layer, tensor, b)
+            self.ghost.main_writes[key] += 1
+            inv.check_main_written_once(self.ghost.main_writes[key], f"D{d}",
+                                        f"block {b} of layer {layer} tensor {tensor}")
 
     def _owners(self, addr: int, length: int, d: int) -> tuple[list[str | None], bool]:
         k = int(np.searchsorted(self.region_starts, addr, side="right")) - 1
@@ -668,7 +703,35 @@ class Cluster:
 
     def _op_replay_final(self, p: int, d: int) -> str:
         self.to_d[(p, d)].append(self.ghost.last_final[(p, d)])
+        self.ghost.replays[((p, d), self.ghost.last_final[(p, d)])] += 1
         return f"fault: P{p}'s last final-layer READY reaches D{d} again (R4)"
+
+    def _op_rogue_ready(self, p: int, d: int) -> str:
+        """A peer outside the project's Prefill discipline (an upstream-style or hostile
+        Prefill) replays P{p}'s last READY to D{d} on a new connection, without MF_META."""
+        payload = self.ghost.last_ready[(p, d)]
+        self._rogues += 1
+        peer = f"p{p}@rogue{self._rogues}"
+        self._trace_msg(f"decode{d}", "recv", peer, payload)
+        self._ready_in_hand = (p, wire.decode(payload), True, "rogue")
+        try:
+            actions = self.decode[d].on_frame(peer, payload, self.d_now[d])
+            self._emit_decode(d, actions)
+        finally:
+            self._ready_in_hand = None
+        inv.check_s3_one_reply_per_ready(1, self.ghost.rogue_replies[peer], f"{peer}<->D{d}",
+                                         drained=True)
+        return f"fault: a rogue peer replays P{p}'s last READY to D{d} without MF_META (W1)"
+
+    def _op_rogue_meta(self, d: int) -> str:
+        """A peer sends an MF_META Decode cannot accept; it must be answered, not ignored."""
+        self._rogues += 1
+        peer = f"p0@rogue{self._rogues}"
+        payload = msgpack.packb([wire.MF_META, "rogue:1", b"\x01", 1, 0, 1], use_bin_type=True)
+        self._trace_msg(f"decode{d}", "recv", peer, payload)
+        self._emit_decode(d, self.decode[d].on_frame(peer, payload, self.d_now[d]))
+        inv.check_meta_answered(self.ghost.rogue_replies[peer], f"{peer}<->D{d}")
+        return f"fault: a rogue peer sends D{d} an MF_META it cannot accept (W1, F3)"
 
     def _op_garbage(self, p: int, d: int) -> str:
         bad = msgpack.packb([wire.READ_READY_BATCH, self.scope.n_layers - 1, "layer.x",

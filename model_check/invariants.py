@@ -51,6 +51,20 @@ def check_w1_meta_before_ready(meta_seen: bool, connection: str, layer_idx: int)
         _fail("W1", f"READY for layer {layer_idx} delivered on {connection} before MF_META")
 
 
+@judges("W1")
+def check_w1_no_read_without_meta(who: str, layer_idx: int) -> None:
+    """W1 on Decode: a READY that arrived on a connection without an accepted MF_META is
+    never read, whatever other connections said."""
+    _fail("W1", f"{who} planned a read for layer {layer_idx} on a connection without MF_META")
+
+
+@judges("W1", "F3")
+def check_meta_answered(replies: int, connection: str) -> None:
+    """W1/F3: every MF_META gets exactly one answer; a refusal is never silence."""
+    if replies != 1:
+        _fail("W1", f"{connection}: MF_META answered {replies} times, expected once")
+
+
 @judges("C4")
 def check_c4_ready_after_landed(landed: bool, who: str, layer_idx: int) -> None:
     """C4: Prefill publishes a layer only after its scatter landed."""
@@ -96,6 +110,14 @@ def check_t2_main_once(member: int, main_blocks_written: int, who: str) -> None:
     """T2: only group member 0 pulls the main KV."""
     if member != 0 and main_blocks_written:
         _fail("T2", f"{who}: member {member} wrote {main_blocks_written} main blocks")
+
+
+@judges("T5", "T2", "T6")
+def check_main_written_once(writes: int, who: str, block: str) -> None:
+    """T5/T6: Decode ranks read disjoint parts of the shared main pool, so within one
+    layer a main destination block is written by exactly one read."""
+    if writes > 1:
+        _fail("T5", f"{who}: main destination {block} written {writes} times in one layer")
 
 
 @judges("R5")

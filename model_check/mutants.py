@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan
 from sfa_rd2h.spec.params import RemoteDecode
-from sfa_rd2h.spec.topology import Share, main_share, prefill_share, rotation
+from sfa_rd2h.spec.topology import Cut, decode_cut, indexer_share
 from sfa_rd2h.statemachines.cores.decode import DecodeCore, DecodeRequest, ServedReady
 from sfa_rd2h.statemachines.cores.prefill import PrefillCore, PrefillRequest
 from sfa_rd2h.statemachines.models import SlotGate
@@ -66,26 +66,16 @@ class GateByLayerName(PrefillCore):
         return f"main:{layer_name}", (f"indexer:{layer_name}" if meta.has_indexer else None)
 
 
-class EveryMemberPullsMain(PrefillCore):
-    """T2: members other than 0 also send the (replicated) main KV."""
+class PrefillCutsShares(PrefillCore):
+    """T6: Prefill cuts its member's indexer share before sending (the project's pre-interop
+    division), so Decode cuts the already-cut list again and indexer blocks go unread."""
 
-    def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
-        rot = rotation(req.ext_req_id, start, self.mapping.d_tp)
-        share = prefill_share(start, stop, self.p_rank, self.mapping, rot)
-        main = main_share(start, stop, self.mapping.d_rank(self.p_rank), self.mapping.d_tp, rot)
-        return Share(main=main, indexer=share.indexer)
-
-
-class IndexerGap(PrefillCore):
-    """T3: the last member's indexer range stops one block short, so the union of the
-    members' ranges misses a block."""
-
-    def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
-        share = super()._share(req, start, stop)
-        lo, hi = share.indexer
-        if self.member == self.mapping.ratio - 1 and hi > lo:
-            return Share(main=share.main, indexer=(lo, hi - 1))
-        return share
+    def _entry(self, req: PrefillRequest, start: int, stop: int) -> wire.ReadReq | None:
+        lo, hi = indexer_share(start, stop, self.member, self.mapping.ratio)
+        if stop == start:
+            return None
+        return wire.ReadReq(req.ext_req_id, tuple(req.main_ids[start:stop].tolist()),
+                            tuple(req.indexer_ids[lo:hi].tolist()), start, lo)
 
 
 class DropsPartialBlock(PrefillCore):
@@ -104,6 +94,35 @@ class TrustFirstRatio(DecodeCore):
 
     def _final_signal(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> tuple[int, int]:
         return msg.group_member_idx, req.ratio or msg.tp_ratio
+
+
+class EveryMemberPullsMain(DecodeCore):
+    """T2: Decode also reads main KV from group members other than 0."""
+
+    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
+        main = super()._cut(entry, n_indexer, 0, ratio).main
+        return Cut(main=main, indexer=super()._cut(entry, n_indexer, member, ratio).indexer)
+
+
+class IndexerGap(DecodeCore):
+    """T3: the last member's indexer piece stops one block short, so the union of the
+    members' pieces misses a block."""
+
+    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
+        cut = super()._cut(entry, n_indexer, member, ratio)
+        lo, hi = cut.indexer
+        if member == ratio - 1 and hi > lo:
+            return Cut(main=cut.main, indexer=(lo, hi - 1))
+        return cut
+
+
+class MainNotShared(DecodeCore):
+    """T5: every Decode rank reads the whole main range into the pool the ranks share."""
+
+    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
+        return decode_cut(len(entry.p_main_block_ids), n_indexer, entry.main_dest_start,
+                          entry.indexer_dest_start, member, ratio, self.d_rank, self.d_tp,
+                          main_shared=False)
 
 
 class FailWithoutWaiting(DecodeCore):
@@ -134,11 +153,11 @@ class TrustSourceLayout(DecodeCore):
     """L1: Decode skips layout validation and addresses destinations with the source's
     block sizes."""
 
-    def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout,
-                    live: list[wire.ReadReq]) -> ReadPlan:
+    def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
+                    msg: wire.ReadReadyBatch) -> ReadPlan:
         trusted = DestLayout(dst.base_addrs, src.ext_block_bytes, dst.num_blocks,
                              dst.main_tensor_count, dst.has_indexer, dst.has_scale)
-        return super()._plan_layer(src, trusted, live)
+        return super()._plan_layer(src, trusted, live, msg)
 
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
         return None
@@ -208,17 +227,17 @@ BUGS: tuple[SeededBug, ...] = (
     SeededBug("duplicate_final_advances", ("R4", "R1"), DuplicateFinalAdvances.__doc__,
               decode=DuplicateFinalAdvances),
     SeededBug("every_member_pulls_main", ("T2",), EveryMemberPullsMain.__doc__,
-              prefill=EveryMemberPullsMain),
-    SeededBug("indexer_gap", ("T3",), IndexerGap.__doc__, prefill=IndexerGap),
+              decode=EveryMemberPullsMain),
+    SeededBug("indexer_gap", ("T3",), IndexerGap.__doc__, decode=IndexerGap),
+    SeededBug("main_not_shared", ("T5",), MainNotShared.__doc__, decode=MainNotShared),
+    SeededBug("prefill_cuts_shares", ("T6", "T3"), PrefillCutsShares.__doc__,
+              prefill=PrefillCutsShares),
     SeededBug("trust_source_layout", ("L1",), TrustSourceLayout.__doc__,
               decode=TrustSourceLayout, scope_hint="layout mismatch"),
     SeededBug("malformed_unanswered", ("W5", "S3"), MalformedUnanswered.__doc__,
               decode=MalformedUnanswered),
     SeededBug("no_meta_check", ("W1",), NoMetaCheck.__doc__, decode=NoMetaCheck,
-              equivalent="Prefill holds every READY until the MF_META ACK of the same "
-                         "connection arrives (peer_session), and after a restart Prefill "
-                         "starts a new handshake, so a READY never reaches Decode on a "
-                         "connection without MF_META; the check is defence in depth."),
+              scope_hint="rogue peer"),
     SeededBug("drops_partial_block", ("C2",), DropsPartialBlock.__doc__,
               prefill=DropsPartialBlock),
     SeededBug("failed_read_reported_done", ("F2", "R5"), FailedReadReportedDone.__doc__,

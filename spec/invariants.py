@@ -78,6 +78,9 @@ RULES: tuple[Rule, ...] = (
     _r("T4", "A member without blocks still acknowledges the layer and counts for completion."),
     _r("T5", "Decode ranks pull disjoint parts of the main KV into the shared pool; small "
              "chunks rotate across ranks.", "sfa_rd2h.spec.topology:main_share"),
+    _r("T6", "Prefill sends every contributor the request's full chunk block lists; each "
+             "Decode rank cuts its own share (T2, T3, T5) when it plans the read, as the "
+             "upstream Decode does.", "sfa_rd2h.spec.topology:decode_cut"),
     # Ports
     _r("P1", "Only Decode binds: base = kv_port + global_dp_rank * tp_size, rank port = base "
              "+ tp_rank, with the global DP rank.", "sfa_rd2h.spec.topology:decode_base_port"),

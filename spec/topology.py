@@ -1,4 +1,4 @@
-"""Unequal-TP mapping, port arithmetic and block-share splitting (T1-T5, P1-P2, X3).
+"""Unequal-TP mapping, port arithmetic and block-share cutting (T1-T6, P1-P2, X3).
 
 Everything here is pure integer arithmetic so Prefill, Decode, the model checker and the
 operator CLI (`sfa-rd2h plan`) compute exactly the same answer from the same inputs. Rule
@@ -8,24 +8,23 @@ the ID of the rule it enforces, so a log line leads straight to the spec.
 Block shares
 ------------
 A chunk of a request covers request-relative block positions ``[start, stop)``. For one
-layer each Prefill rank sends to its Decode rank:
+layer, Prefill sends every member of a contributor group the chunk's **full** main and
+indexer block lists, each with its destination start ``start`` (T6, as upstream does), and
+each Decode rank cuts what it reads:
 
-* a **main** range (T2, T5): the chunk is split into ``d_tp`` near-equal contiguous ranges,
-  one per Decode rank, because the Decode ranks share one CPU pool and each pulls its own
-  part. Main KV is replicated across a contributor group on Prefill, so only member 0 sends
-  it; other members get an empty range.
-* an **indexer** range (T3): every Decode rank needs the full indexer, so the ``ratio``
-  members of its contributor group split the chunk among themselves. The optional LIC8
-  scale tensor follows the indexer range exactly (same positions, same destination start).
+* **main** (T2, T5): replicated across the group on Prefill, so only member 0's main is
+  read. The Decode ranks share one CPU pool for it, so each rank reads its own near-equal
+  piece, the piece order rotated by the chunk's start.
+* **indexer** (T3): every Decode rank needs the full indexer, so the ``ratio`` members of a
+  group split the chunk among themselves. The optional LIC8 scale tensor follows the
+  indexer range exactly.
 
-Because the ranges are positions, the destination start of a range is simply its ``lo``:
-Decode maps position ``p`` to its own destination block ``dest_ids[p]`` (C1: Decode block
-ids never leave Decode).
+Because the lists are by position, destination position ``start + k`` is simply the
+request's ``dest_ids[start + k]`` on Decode (C1: Decode block ids never leave Decode).
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,91 +233,73 @@ def _check_chunk(start: int, stop: int, rule: str) -> tuple[int, int]:
     return start, stop
 
 
-def rotation(ext_req_id: str, chunk_start: int, d_tp: int) -> int:
-    """Which Decode rank receives the first main range of a chunk (T5).
+def subrange(n: Any, rank: Any, size: Any, start: Any) -> tuple[Any, Any]:
+    """Offsets ``(lo, hi)`` within ``[0, n)`` of the piece that ``rank`` of ``size`` takes of
+    ``n`` blocks whose first block sits at request position ``start``.
 
-    ``crc32`` (not ``hash()``, which is salted per process) makes every Prefill rank agree.
-    Adding ``chunk_start`` turns consecutive chunks into a round robin: a chunk of ``n``
-    blocks gives its ``n % d_tp`` extra blocks to the ranks starting at the rotation, and
-    the next chunk's rotation starts exactly where those extras ended, so over a request
-    the per-rank main totals differ by at most one block whatever the chunk sizes.
+    The upstream Decode's rule, kept bit for bit so mixed deployments agree (T6): the piece
+    order is rotated by ``start``, so consecutive small chunks land on different ranks
+    instead of always on rank 0 (T5). Pieces differ by at most one block and tile
+    ``[0, n)``. Branch-free, so it also works elementwise on numpy arrays.
     """
-    if not isinstance(ext_req_id, str):
-        raise TopologyError(f"T5: ext_req_id must be a str, got {ext_req_id!r}")
-    chunk_start = _int(chunk_start, "chunk_start", "T5")
-    d_tp = _int(d_tp, "d_tp", "T5", minimum=1)
-    return (zlib.crc32(ext_req_id.encode("utf-8")) + chunk_start) % d_tp
-
-
-def main_share(start: int, stop: int, d_rank: int, d_tp: int, rotation: int) -> tuple[int, int]:
-    """The main-KV range ``(lo, hi)`` that Decode rank ``d_rank`` pulls from a chunk (T5).
-
-    Rank ``(i + rotation) % d_tp`` gets the ``i``-th of ``d_tp`` near-equal pieces, so for
-    chunks shorter than ``d_tp`` the non-empty pieces start at the rotated rank instead of
-    always at rank 0.
-    """
-    start, stop = _check_chunk(start, stop, "T5")
-    d_tp = _int(d_tp, "d_tp", "T5", minimum=1)
-    d_rank = _int(d_rank, "d_rank", "T5")
-    if d_rank >= d_tp:
-        raise TopologyError(f"T5: d_rank={d_rank} is outside 0..{d_tp - 1}")
-    rot = _int(rotation, "rotation", "T5")
-    return split_bounds(start, stop, (d_rank - rot) % d_tp, d_tp)
-
-
-def indexer_share(start: int, stop: int, member: int, ratio: int) -> tuple[int, int]:
-    """The indexer range ``(lo, hi)`` that contributor ``member`` sends (T3).
-
-    The ``ratio`` members of a group send disjoint pieces whose union is the whole chunk,
-    so each Decode rank assembles a full indexer copy. LIC8 scales use the same range.
-    """
-    start, stop = _check_chunk(start, stop, "T3")
-    ratio = _int(ratio, "ratio", "T3", minimum=1)
-    member = _int(member, "member", "T3")
-    if member >= ratio:
-        raise TopologyError(f"T3: member={member} is outside 0..{ratio - 1}")
-    return split_bounds(start, stop, member, ratio)
+    logical = (rank - start % size) % size
+    return split_bounds(0, n, logical, size)
 
 
 @dataclass(frozen=True)
-class Share:
-    """What one Prefill rank sends for one chunk: request-relative block position ranges.
-
-    ``main`` is empty (``(start, start)``) for members other than 0 (T2). ``indexer`` also
-    covers the LIC8 scale tensor (T3). The destination starts are the ``lo`` of each range
-    and go into the READY entry as ``main_dest_start`` / ``indexer_dest_start`` (W2).
-    """
+class Cut:
+    """What one Decode rank reads of one READY entry: offsets into the entry's main and
+    indexer block lists (the LIC8 scale follows the indexer, T3)."""
 
     main: tuple[int, int]
     indexer: tuple[int, int]
 
-    @property
-    def main_dest_start(self) -> int:
-        return self.main[0]
 
-    @property
-    def indexer_dest_start(self) -> int:
-        return self.indexer[0]
+def decode_cut(n_main: int, n_indexer: int, main_start: int, indexer_start: int, member: int,
+               ratio: int, d_rank: int, d_tp: int, *, main_shared: bool = True) -> Cut:
+    """The share of one entry that Decode rank ``d_rank`` of ``d_tp`` reads when the entry
+    came from member ``member`` of a contributor group of ``ratio`` (T2, T3, T5, T6).
 
-    @property
-    def main_slice(self) -> slice:
-        """Slice into the request's per-position block id array."""
-        return slice(*self.main)
-
-    @property
-    def indexer_slice(self) -> slice:
-        return slice(*self.indexer)
-
-
-def prefill_share(start: int, stop: int, p_rank: int, mapping: TpMapping, rotation: int) -> Share:
-    """The main and indexer ranges Prefill rank ``p_rank`` sends for chunk ``[start, stop)``."""
-    start, stop = _check_chunk(start, stop, "T2")
-    d_rank = mapping.d_rank(p_rank)
-    member = mapping.group_member_idx(p_rank)
-    rot = _int(rotation, "rotation", "T5")
-    if member == 0:
-        main = main_share(start, stop, d_rank, mapping.d_tp, rot)
+    Prefill sends every member the chunk's full lists; Decode cuts here. Main KV is
+    replicated across the group, so only member 0's main is read (T2); where the main
+    destination is one pool shared by the Decode TP ranks (``main_shared``), each rank reads
+    its own piece of it (T5), otherwise member 0's rank reads the whole range. Every Decode
+    rank needs the whole indexer, so the members split it among themselves (T3).
+    """
+    n_main = _int(n_main, "main block count", "T6")
+    n_indexer = _int(n_indexer, "indexer block count", "T6")
+    main_start = _int(main_start, "main_dest_start", "T6")
+    indexer_start = _int(indexer_start, "indexer_dest_start", "T6")
+    ratio = _int(ratio, "ratio", "T3", minimum=1)
+    member = _int(member, "member", "T3")
+    if member >= ratio:
+        raise TopologyError(f"T3: member={member} is outside 0..{ratio - 1}")
+    d_tp = _int(d_tp, "d_tp", "T5", minimum=1)
+    d_rank = _int(d_rank, "d_rank", "T5")
+    if d_rank >= d_tp:
+        raise TopologyError(f"T5: d_rank={d_rank} is outside 0..{d_tp - 1}")
+    if member != 0:
+        main = (0, 0)
+    elif main_shared:
+        main = subrange(n_main, d_rank, d_tp, main_start)
     else:
-        # T2: main KV is replicated across the group; only member 0 moves it.
-        main = (start, start)
-    return Share(main=main, indexer=indexer_share(start, stop, member, mapping.ratio))
+        main = (0, n_main)
+    indexer = subrange(n_indexer, member, ratio, indexer_start)
+    return Cut(main=main, indexer=indexer)
+
+
+def main_share(start: int, stop: int, d_rank: int, d_tp: int) -> tuple[int, int]:
+    """The request positions ``(lo, hi)`` of chunk ``[start, stop)`` whose main KV Decode
+    rank ``d_rank`` reads into a pool shared by the Decode TP ranks (T5)."""
+    start, stop = _check_chunk(start, stop, "T5")
+    cut = decode_cut(stop - start, 0, start, start, 0, 1, d_rank, d_tp)
+    return start + cut.main[0], start + cut.main[1]
+
+
+def indexer_share(start: int, stop: int, member: int, ratio: int) -> tuple[int, int]:
+    """The request positions ``(lo, hi)`` of chunk ``[start, stop)`` whose indexer (and LIC8
+    scale) every Decode rank reads from contributor ``member`` (T3). The members' ranges
+    tile the chunk, so each Decode rank assembles a full indexer copy."""
+    start, stop = _check_chunk(start, stop, "T3")
+    cut = decode_cut(0, stop - start, start, start, member, ratio, 0, 1)
+    return start + cut.indexer[0], start + cut.indexer[1]

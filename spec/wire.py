@@ -71,6 +71,7 @@ __all__ = [
     "ReadReq",
     "check_meta_ack",
     "check_versions",
+    "meta_refusal",
     "decode",
     "decode_layer_metadata",
     "decode_meta_reply",
@@ -128,6 +129,9 @@ _META_KEYS = (
     "main_tensor_count",
     "has_indexer",
 )
+
+# What every form of the layer map carries; the others have upstream's defaults.
+_REQUIRED_META_KEYS = ("base_addrs", "block_len", "tensor_group_idx")
 
 _INT_ONLY = frozenset({int})
 
@@ -425,9 +429,17 @@ def _layer_from_pairs(name: str, fields: Any) -> LayerMeta:
         if key in values:
             raise WireError(f"duplicate field {key!r}")
         values[key] = value
-    missing = [k for k in _META_KEYS if k not in values]
+    missing = [k for k in _REQUIRED_META_KEYS if k not in values]
     if missing:
         raise WireError(f"missing field(s) {', '.join(missing)}")
+    # The predecessor connector sent only the required keys; upstream Decode fills the
+    # rest with these defaults, and so do we.
+    if "block_size_scale" not in values and type(values["base_addrs"]) is list:
+        values["block_size_scale"] = [1] * len(values["base_addrs"])
+    values.setdefault("main_tensor_count", 2)
+    if ("has_indexer" not in values and type(values["base_addrs"]) is list
+            and type(values["main_tensor_count"]) is int):
+        values["has_indexer"] = len(values["base_addrs"]) > values["main_tensor_count"]
     return LayerMeta(**values)
 
 
@@ -465,15 +477,22 @@ def decode_layer_metadata(blob: bytes) -> dict[str, LayerMeta]:
 
 @dataclass(frozen=True, slots=True)
 class MfMeta:
-    """W1 ``(MF_META, p_session, blob[, protocol_version, layout_version, ...])``.
+    """W1 MF_META in the three forms met in the field, told apart by their fields:
 
-    ``None`` versions mean the legacy 3-field form, which gets the raw ``b"ACK"`` reply.
+    * ``(MF_META, p_session, blob)``: upstream and legacy (``protocol_version`` is None);
+      answered by the raw ``b"ACK"``.
+    * ``(MF_META, p_session, blob, protocol_version, pp_rank, pp_size)``: the versioned
+      form the fork speaks and this project sends; upstream reads its first three fields.
+    * ``(MF_META, p_session, blob, protocol_version, layout_version)``: this project's
+      earlier form (``layout_version`` given), still understood for rolling upgrades.
     """
 
     p_session: str
     layers: Mapping[str, LayerMeta]
     protocol_version: int | None = None
     layout_version: int | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         _str(self.p_session, "p_session", MAX_STR_LEN)
@@ -482,14 +501,14 @@ class MfMeta:
                 raise WireError(f"layers: expected a mapping, got {_show(self.layers)}")
             _set(self, "layers", LayerTable(self.layers))
         pv, lv = self.protocol_version, self.layout_version
-        if (pv is None) != (lv is None):
-            raise WireError(
-                "protocol_version/layout_version: both or neither must be given "
-                f"(got {pv!r}, {lv!r})"
-            )
+        if pv is None and lv is not None:
+            raise WireError(f"layout_version {lv!r} given without a protocol_version")
         if pv is not None:
             _set(self, "protocol_version", _int(pv, "protocol_version", 0, MAX_VERSION))
+        if lv is not None:
             _set(self, "layout_version", _int(lv, "layout_version", 0, MAX_VERSION))
+        _set(self, "pp_size", _int(self.pp_size, "pp_size", 1, MAX_GROUP_IDX))
+        _set(self, "pp_rank", _int(self.pp_rank, "pp_rank", 0, self.pp_size - 1))
 
     @property
     def is_legacy(self) -> bool:
@@ -498,14 +517,18 @@ class MfMeta:
 
 @dataclass(frozen=True, slots=True)
 class MfMetaAck:
-    """Structured reply to a versioned MF_META: ``[MF_META_ACK, accepted, pv, lv, error]``.
+    """Decode's answer to a versioned MF_META; the versions are the *replying* Decode's.
 
-    The versions are those of the *replying* Decode.
+    Sent in the form the MF_META came in: ``(MF_META_ACK, protocol_version)`` accepts a
+    6-field MF_META exactly as the fork expects, ``(MF_META_ACK, 0, protocol_version,
+    error)`` refuses it (a 0 the fork reports as an unexpected ack, never silence), and
+    ``(MF_META_ACK, accepted, protocol_version, layout_version, error)`` answers the
+    project's earlier 5-field form (``layout_version`` given).
     """
 
     accepted: bool
     protocol_version: int
-    layout_version: int
+    layout_version: int | None = None
     error: str = ""
 
     def __post_init__(self) -> None:
@@ -515,8 +538,12 @@ class MfMetaAck:
             "protocol_version",
             _int(self.protocol_version, "protocol_version", 0, MAX_VERSION),
         )
-        _set(self, "layout_version", _int(self.layout_version, "layout_version", 0, MAX_VERSION))
+        if self.layout_version is not None:
+            _set(self, "layout_version",
+                 _int(self.layout_version, "layout_version", 0, MAX_VERSION))
         _set(self, "error", _error_text(self.error, "error"))
+        if self.accepted and self.layout_version is None and self.protocol_version == 0:
+            raise WireError("an accepting mf_meta_ack needs a protocol_version >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -657,9 +684,16 @@ def _fields(msg: Message) -> tuple[Any, ...]:
         blob = encode_layer_metadata(msg.layers)
         if msg.protocol_version is None:
             return (MF_META, msg.p_session, blob)
-        return (MF_META, msg.p_session, blob, msg.protocol_version, msg.layout_version)
+        if msg.layout_version is not None:
+            return (MF_META, msg.p_session, blob, msg.protocol_version, msg.layout_version)
+        return (MF_META, msg.p_session, blob, msg.protocol_version, msg.pp_rank, msg.pp_size)
     if isinstance(msg, MfMetaAck):
-        return (MF_META_ACK, msg.accepted, msg.protocol_version, msg.layout_version, msg.error)
+        if msg.layout_version is not None:
+            return (MF_META_ACK, msg.accepted, msg.protocol_version, msg.layout_version,
+                    msg.error)
+        if msg.accepted:
+            return (MF_META_ACK, msg.protocol_version)
+        return (MF_META_ACK, 0, msg.protocol_version, msg.error)
     raise WireError(f"cannot encode {_show(msg)}: not an RD2H message")
 
 
@@ -685,13 +719,19 @@ def _arity(name: str, fields: list[Any], allowed: str, ok: bool) -> None:
 
 def _decode_mf_meta(f: list[Any]) -> MfMeta:
     n = len(f)
-    # 3 = legacy; 5+ = versioned (+ W4 appendices). 4 would be a protocol version with no
-    # layout version, which F3 cannot judge, so it is refused rather than defaulted.
-    _arity("mf_meta", f, "3 (legacy) or at least 5", n == 3 or n >= 5)
+    # 3 = upstream/legacy; 5 = this project's earlier form; 6+ = the versioned form (+ W4
+    # appendices). 4 would be a protocol version with nothing to place it, so it is refused.
+    _arity("mf_meta", f, "3, 5 or at least 6", n == 3 or n >= 5)
     layers = _decode_layer_table(f[2])
     if n == 3:
         return MfMeta(f[1], layers)
-    return MfMeta(f[1], layers, f[3], f[4])
+    if n == 5:
+        return MfMeta(f[1], layers, f[3], f[4])
+    if type(f[5]) is not int or type(f[4]) is not int:
+        raise WireError(f"mf_meta: pp_rank/pp_size must be ints, got {_show(f[4:6])}")
+    if not 1 <= f[5] <= MAX_GROUP_IDX or not 0 <= f[4] < f[5]:
+        raise WireError(f"mf_meta: pp_rank={f[4]} is not a rank of pp_size={f[5]}")
+    return MfMeta(f[1], layers, f[3], None, f[4], f[5])
 
 
 def _decode_read_req(entry: Any) -> ReadReq:
@@ -748,8 +788,15 @@ def _decode_failed(f: list[Any]) -> ReadFailed:
 
 
 def _decode_ack(f: list[Any]) -> MfMetaAck:
-    _arity("mf_meta_ack", f, "at least 5", len(f) >= 5)
-    return MfMetaAck(f[1], f[2], f[3], f[4])
+    n = len(f)
+    if n >= 5 and type(f[1]) is bool:
+        return MfMetaAck(f[1], f[2], f[3], f[4])
+    if type(f[1] if n > 1 else None) is not int:
+        raise WireError(f"mf_meta_ack: expected a version or a bool, got {_show(f[1:2])}")
+    if f[1] == 0:
+        _arity("mf_meta_ack", f, "at least 4 in a refusal", n >= 4)
+        return MfMetaAck(False, f[2], None, f[3])
+    return MfMetaAck(True, f[1])
 
 
 _DECODERS = {
@@ -802,41 +849,67 @@ def decode(payload: bytes) -> Message:
 
 
 def check_versions(msg: MfMeta) -> MfMetaAck:
-    """F3 on Decode: accept a peer whose versions equal ours, refuse anything else.
+    """F3 on Decode: accept a peer whose versions equal ours, refuse anything else, and
+    answer in the form the peer spoke (see ``MfMetaAck``).
 
-    A legacy MF_META carries no versions and is judged as version 1 of both.
+    A 3-field MF_META carries no versions and is judged as version 1 of both.
     """
     pv = LEGACY_PROTOCOL_VERSION if msg.protocol_version is None else msg.protocol_version
-    lv = LEGACY_LAYOUT_VERSION if msg.layout_version is None else msg.layout_version
     problems = []
     if pv != PROTOCOL_VERSION:
         problems.append(f"F3: protocol version {pv} from prefill, decode speaks {PROTOCOL_VERSION}")
-    if lv != LAYOUT_VERSION:
-        problems.append(f"F3: layout version {lv} from prefill, decode speaks {LAYOUT_VERSION}")
-    return MfMetaAck(not problems, PROTOCOL_VERSION, LAYOUT_VERSION, "; ".join(problems))
+    if msg.layout_version is not None and msg.layout_version != LAYOUT_VERSION:
+        problems.append(f"F3: layout version {msg.layout_version} from prefill, decode speaks "
+                        f"{LAYOUT_VERSION}")
+    if msg.pp_size != 1:
+        problems.append(f"X3: prefill pipeline rank {msg.pp_rank} of {msg.pp_size}; decode "
+                        "serves pp_size 1 only")
+    lv = None if msg.protocol_version is None or msg.layout_version is None else LAYOUT_VERSION
+    return MfMetaAck(not problems, PROTOCOL_VERSION, lv, "; ".join(problems))
 
 
 def encode_meta_reply(msg: MfMeta, ack: MfMetaAck) -> bytes:
     """The frame Decode sends back for ``msg``.
 
-    A legacy peer only understands the raw ``b"ACK"``; anything it would not understand
-    (including a refusal) goes out structured, which a legacy peer reports as an
-    unexpected reply — a loud failure, as F3 asks.
+    A 3-field peer only understands the raw ``b"ACK"``; anything it would not understand
+    (including a refusal) goes out structured, which such a peer reports as an unexpected
+    reply: a loud failure, as F3 asks.
     """
     if msg.protocol_version is None and ack.accepted:
         return RAW_ACK
     return encode(ack)
 
 
+def meta_refusal(payload: bytes, error: str) -> bytes | None:
+    """The refusal Decode sends for an MF_META it could not decode (W5: a refusal is never
+    silence), or None when the frame is not recognisably an MF_META. Never raises."""
+    try:
+        fields = msgpack.unpackb(bytes(payload)[:MAX_FRAME_BYTES], raw=False,
+                                 max_bin_len=MAX_FRAME_BYTES, max_array_len=MAX_FIELDS,
+                                 max_map_len=1 << 20, max_str_len=MAX_FRAME_BYTES)
+    except Exception:
+        fields = None
+    head = bytes(payload[:16]) if isinstance(payload, bytes | bytearray | memoryview) else b""
+    if type(fields) is list and fields and fields[0] == MF_META:
+        old_form = len(fields) == 5
+    elif fields is None and MF_META in head:
+        old_form = False
+    else:
+        return None
+    ack = MfMetaAck(False, PROTOCOL_VERSION, LAYOUT_VERSION if old_form else None,
+                    f"W1: MF_META refused: {error}")
+    return encode(ack)
+
+
 def decode_meta_reply(frame: bytes) -> MfMetaAck:
     """Decode Decode's reply to MF_META (on Prefill).
 
-    A raw ``b"ACK"`` comes from a legacy Decode, which by definition speaks the legacy
-    versions; it is reported as accepted with ``LEGACY_*_VERSION`` (today equal to ours)
-    so that ``check_meta_ack`` refuses it once our versions move on.
+    A raw ``b"ACK"`` comes from an upstream or legacy Decode, which speaks the legacy
+    versions; it is reported as accepted at ``LEGACY_PROTOCOL_VERSION`` so that
+    ``check_meta_ack`` refuses it once our version moves on.
     """
     if isinstance(frame, bytes | bytearray | memoryview) and bytes(frame) == RAW_ACK:
-        return MfMetaAck(True, LEGACY_PROTOCOL_VERSION, LEGACY_LAYOUT_VERSION, "")
+        return MfMetaAck(True, LEGACY_PROTOCOL_VERSION)
     msg = decode(frame)
     if not isinstance(msg, MfMetaAck):
         raise WireError(f"mf_meta reply: expected ACK or mf_meta_ack, got {type(msg).__name__}")
@@ -852,7 +925,7 @@ def check_meta_ack(ack: MfMetaAck) -> None:
             f"F3: decode speaks protocol version {ack.protocol_version}, "
             f"prefill speaks {PROTOCOL_VERSION}"
         )
-    if ack.layout_version != LAYOUT_VERSION:
+    if ack.layout_version is not None and ack.layout_version != LAYOUT_VERSION:
         raise VersionMismatch(
             f"F3: decode speaks layout version {ack.layout_version}, "
             f"prefill speaks {LAYOUT_VERSION}"

@@ -11,7 +11,8 @@ checks the cross-process rules a single core cannot see:
 * every transition is declared: a record's source is the replayed state, (source, event) is
   in the table and its destination is one the table allows; the first record of a model is
   ``start`` in the initial state; nothing leaves a final state;
-* W1: on every connection MF_META precedes the first READY (checked on both ends);
+* W1: on every connection MF_META precedes the first READY a Prefill sends, and Decode
+  answers a READY that came before MF_META only with READ_FAILED;
 * S3: every READY gets exactly one reply - a reply never exceeds the READYs outstanding for
   its layer, a cleanly closed process leaves none unanswered, and where both ends of a
   connection are in the set, the counts each side sent equal the counts the other received;
@@ -258,6 +259,7 @@ class _Conn:
     readys: Counter = field(default_factory=Counter)
     replies: Counter = field(default_factory=Counter)
     outstanding: Counter = field(default_factory=Counter)
+    unmet: Counter = field(default_factory=Counter)  # Decode: READYs that came before MF_META
 
 
 @dataclass
@@ -405,12 +407,21 @@ class _Validator:
         if outgoing and kind == "mf_meta":
             c.meta = True
         elif outgoing and kind == "read_ready_batch" and layer is not None:
-            if not c.meta:
+            if not c.meta and f.role == "prefill":
                 self.fail(f.path, line, "W1",
                           f"READY for layer {layer} on connection {conn_id} before MF_META")
+            elif not c.meta:
+                # Decode cannot stop a peer from sending this; it must refuse it (W1).
+                c.unmet[layer] += 1
             c.readys[layer] += 1
             c.outstanding[layer] += 1
         elif not outgoing and kind in REPLY_KINDS and layer is not None:
+            if c.unmet[layer] > 0:
+                c.unmet[layer] -= 1
+                if kind != "read_failed":
+                    self.fail(f.path, line, "W1",
+                              f"{kind} for layer {layer} on connection {conn_id} answers a "
+                              "READY that came before MF_META; only READ_FAILED may")
             c.replies[layer] += 1
             if c.outstanding[layer] <= 0:
                 self.fail(f.path, line, "S3",

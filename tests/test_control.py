@@ -278,8 +278,7 @@ def test_malformed_frames_are_answered_and_the_reader_survives(
         sock.send(msgpack.packb([b"no_such_kind", 1], use_bin_type=True))
         sock.send(msgpack.packb([wire.READ_READY_BATCH, "x"], use_bin_type=True))
         # ... which the next reply proves: it answers the MF_META sent after them (FIFO).
-        meta = wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION,
-                           wire.LAYOUT_VERSION)
+        meta = wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)
         sock.send(wire.encode(meta))
         ack = wire.decode_meta_reply(_recv(sock))
         assert ack.accepted
@@ -294,10 +293,25 @@ def test_malformed_frames_are_answered_and_the_reader_survives(
         dw.close()
         assert time.monotonic() - t0 < 2.0
         tracer.close()
-    # The injected READY came before any MF_META on its connection: the trace says so.
+    # The injected READY came before any MF_META on its connection and Decode refused it
+    # with READ_FAILED, which is what W1 asks of Decode: the trace is valid.
     report = validate([tmp_path / "d.jsonl"])
-    assert not report.ok and report.divergence is not None
-    assert report.divergence.rule == "W1"
+    assert report.ok, report.summary()
+
+
+def test_validator_flags_a_read_done_for_a_ready_before_mf_meta(tmp_path: Path) -> None:
+    """W1 on Decode: only READ_FAILED may answer a READY that came before MF_META."""
+    ready = wire.encode(wire.ReadReadyBatch(0, "l0", (), ()))
+    for reply, ok in ((wire.ReadFailed(0, "W1: no MF_META"), True), (wire.ReadDone(0), False)):
+        path = tmp_path / f"{type(reply).__name__}.jsonl"
+        tracer = Tracer(path, "d0", role="decode")
+        tracer.message("recv", "rogue", ready)
+        tracer.message("send", "rogue", wire.encode(reply))
+        tracer.close()
+        report = validate([path])
+        assert report.ok is ok, report.summary()
+        if not ok:
+            assert report.divergence.rule == "W1" and "before MF_META" in str(report.divergence)
 
 
 def test_wait_for_layer_send_times_out_clearly(engines: tuple[HostEngine, HostEngine]) -> None:

@@ -150,6 +150,87 @@ def test_decode_rejects_with_read_failed_and_leaves_destinations_alone():  # W1,
     assert d.local_outcome("r1") is False  # R5: the request failed once
 
 
+def _read_positions(read: IssueRead, base: int, block: int) -> list[int]:
+    """Destination block ids a plan writes in the region starting at ``base``."""
+    out = []
+    for addr, n in zip(read.plan.local_addrs.tolist(), read.plan.lengths.tolist(), strict=True):
+        if base <= addr < base + 0x10000:
+            first = (addr - base) // block
+            out += list(range(first, first + n // block))
+    return out
+
+
+def test_decode_cuts_the_full_lists_it_is_sent():  # T2, T3, T5, T6
+    main_ids, idx_ids = (40, 41, 42, 43), (50, 51, 52, 53)
+    for member, want_main, want_idx in ((0, [10, 11, 12, 13], [20, 21]), (1, [], [22, 23])):
+        d = decode()
+        d.register_request("r1", [10, 11, 12, 13], [20, 21, 22, 23], 0.0)
+        d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+        [read] = d.on_frame("p", ready(reqs=(("r1", main_ids, idx_ids, 0, 0),), member=member,
+                                       ratio=2), 0.0)
+        assert _read_positions(read, 0x900000, MAIN) == want_main
+        assert _read_positions(read, 0x920000, IDX) == want_idx
+    # Two Decode ranks sharing the main pool each read their piece; with per-rank caches the
+    # rank reads the whole main range.
+    pieces = []
+    for d_rank, shared in ((0, True), (1, True), (1, False)):
+        d = DecodeCore(d_rank, 2, {"l0": DEST, "l1": DEST}, main_dest_shared=shared)
+        d.register_request("r1", [10, 11, 12, 13], [20, 21, 22, 23], 0.0)
+        d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+        [read] = d.on_frame("p", ready(reqs=(("r1", main_ids, idx_ids, 0, 0),)), 0.0)
+        pieces.append(_read_positions(read, 0x900000, MAIN))
+    assert pieces == [[10, 11], [12, 13], [10, 11, 12, 13]]
+
+
+def test_an_entry_without_blocks_fails_the_layer():  # T6, like the upstream Decode
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    [reply] = sends(d.on_frame("p", ready(reqs=(("r1", (), (), 0, 0),)), 0.0))
+    assert "T6: entry for 'r1' carries no block at all" in wire.decode(reply).error
+
+
+def test_every_mf_meta_is_answered():  # W1, F3
+    d = decode()
+    [refusal] = sends(d.on_frame("p", msgpack.packb([wire.MF_META, "s", b"junk", 1, 0, 1],
+                                                    use_bin_type=True), 0.0))
+    ack = wire.decode_meta_reply(refusal)
+    assert not ack.accepted and "layer metadata" in ack.error
+    [pp] = sends(d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS, 1, None, 0, 2)), 0.0))
+    assert "X3" in wire.decode_meta_reply(pp).error
+    assert "p" not in d.connections
+    [ok] = sends(d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS, 1)), 0.0))
+    assert ok == msgpack.packb([b"mf_meta_ack", 1], use_bin_type=True)
+
+
+def test_prefill_sends_every_member_the_full_chunk():  # T6
+    payloads = []
+    for p_rank in (0, 1):
+        p = PrefillCore(p_rank, tp_mapping(2, 1), f"10.0.0.1:{1000 + p_rank}", LAYERS,
+                        block_size=4)
+        p.add_request("r1", PARAMS, [5, 6, 7], [1, 2, 3])
+        p.schedule_chunk("r1", 10, final=True)
+        p.begin_layer(0, 0.0)
+        [meta] = p.layer_landed(0, 0.0)
+        [ready_frame] = sends(p.on_frame(meta.peer, wire.RAW_ACK, 0.0))
+        payloads.append(wire.decode(ready_frame))
+    for member, msg in enumerate(payloads):
+        assert msg.group_member_idx == member and msg.tp_ratio == 2
+        assert msg.read_reqs == (wire.ReadReq("r1", (5, 6, 7), (1, 2, 3), 0, 0),)
+
+
+def test_prefill_refuses_an_ack_of_another_version():  # F3 on the Prefill side
+    p = prefill()
+    p.add_request("r1", PARAMS, [5], [1])
+    p.schedule_chunk("r1", 2, final=True)
+    p.begin_layer(0, 0.0)
+    [meta] = p.layer_landed(0, 0.0)
+    p.on_frame(meta.peer, msgpack.packb([b"mf_meta_ack", 2], use_bin_type=True), 0.0)
+    assert p.endpoints[meta.peer].session.state == "refused"
+    with pytest.raises(LayerSendError, match="protocol version 2"):
+        p.layer_writable(0)
+
+
 def test_decode_waits_for_late_registration_and_expires():  # C1 (known failure 5)
     d = decode(destination_wait=5.0)
     d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
@@ -168,9 +249,11 @@ def test_zero_block_member_still_acknowledges():  # T4, S3
     d = decode()
     d.register_request("r1", [10, 11], [20, 21], 0.0)
     d.on_frame("p1", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-    [reply] = sends(d.on_frame("p1", ready(reqs=(("r1", (), (), 0, 0),), member=1, ratio=2),
-                               0.0))
-    assert reply == wire.encode(wire.ReadDone(0))
+    # A one-block chunk: member 1 of 2 reads no main (T2) and its indexer piece is empty
+    # (T3), yet it answers READ_DONE and nothing is read (T4).
+    actions = d.on_frame("p1", ready(reqs=(("r1", (5,), (6,), 0, 0),), member=1, ratio=2), 0.0)
+    assert sends(actions) == [wire.encode(wire.ReadDone(0))]
+    assert not any(isinstance(a, IssueRead) for a in actions)
 
 
 def test_conflicting_ratios_fail_the_request():  # R1, T1 (known failure 3)
@@ -178,8 +261,9 @@ def test_conflicting_ratios_fail_the_request():  # R1, T1 (known failure 3)
     d.register_request("r1", [10, 11], [20, 21], 0.0)
     for peer in ("p0", "p1"):
         d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-    d.on_frame("p0", ready(reqs=(("r1", (), (), 0, 0),), member=0, ratio=2), 0.0)
-    d.on_frame("p1", ready(reqs=(("r1", (), (), 0, 0),), done=("r1",), member=0, ratio=1), 0.0)
+    d.on_frame("p0", ready(reqs=(("r1", (5,), (6,), 0, 0),), member=1, ratio=2), 0.0)
+    d.on_frame("p1", ready(reqs=(("r1", (5,), (6,), 0, 0),), done=("r1",), member=0, ratio=1),
+               0.0)
     assert d.local_outcome("r1") is False
     assert "tp_ratio=1" in d.requests["r1"].status.error
 
@@ -189,7 +273,7 @@ def test_local_completion_stands_once_reached():  # R2, R5
     d.register_request("r1", [10, 11], [20, 21], 0.0)
     for peer in ("p0", "p1"):
         d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-    d.on_frame("p0", ready(reqs=(("r1", (), (), 0, 0),), done=("r1",), member=0, ratio=1), 0.0)
+    d.on_frame("p0", ready(reqs=(), done=("r1",), member=0, ratio=1), 0.0)
     assert d.local_outcome("r1") is True  # may already be on its way to the TP group
     late = d.on_frame("p1", ready(reqs=(("r1", (5,), (5,), 0, 0),), done=("r1",), member=1,
                                   ratio=2), 0.0)

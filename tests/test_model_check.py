@@ -19,8 +19,10 @@ from sfa_rd2h.spec.errors import TopologyError
 PINNED = Path(__file__).parent / "data" / "mutant_counterexamples.json"
 
 # The number of distinct states of DEFAULT_SCOPE. A change here means the protocol's
-# behaviour changed: review it like a change of the spec snapshot.
-PINNED_STATES = 952
+# behaviour changed: review it like a change of the spec snapshot. 952 -> 1046 when Decode
+# took over the cut (T6): the indexer pieces now rotate by the chunk's start, so members
+# write different blocks first and more memory interleavings are distinct.
+PINNED_STATES = 1046
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(3, 2), (2, 4), (0, 1)])

@@ -1,10 +1,6 @@
-"""Unequal-TP mapping, ports and block shares (T1-T5, P1-P2, X3)."""
+"""Unequal-TP mapping, ports and block shares (T1-T6, P1-P2, X3)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,17 +9,17 @@ from hypothesis import strategies as st
 
 from sfa_rd2h.spec.errors import ProtocolError, TopologyError
 from sfa_rd2h.spec.topology import (
-    Share,
+    Cut,
     TpMapping,
     decode_base_port,
+    decode_cut,
     decode_rank_port,
     indexer_share,
     main_share,
     plan,
-    prefill_share,
     remote_port,
-    rotation,
     split_bounds,
+    subrange,
     tp_mapping,
 )
 
@@ -172,63 +168,59 @@ def test_plan_table() -> None:
 # ---------------------------------------------------------------- T2 / T3 / T5 shares
 
 
-def test_rotation_is_crc32_and_stable_across_processes() -> None:
-    # hash() is salted per process; crc32 must give the same answer in a fresh interpreter.
-    code = (
-        "from sfa_rd2h.spec.topology import rotation;"
-        "print([rotation('req-%d' % i, 3, 7) for i in range(20)])"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONHASHSEED": "12345"},
-    ).stdout
-    assert out.strip() == str([rotation(f"req-{i}", 3, 7) for i in range(20)])
-    assert rotation("abc", 0, 1) == 0
-    assert rotation("abc", 5, 4) == (0x352441C2 + 5) % 4  # zlib.crc32(b"abc")
+def upstream_subrange(n: int, rank: int, size: int, start: int) -> tuple[int, int]:
+    """The upstream Decode's rule, restated literally from its description."""
+    logical = (rank - start % size) % size
+    q, rem = divmod(n, size)
+    lo = logical * q + min(logical, rem)
+    return lo, lo + q + (1 if logical < rem else 0)
+
+
+@given(n=st.integers(0, 500), size=st.integers(1, 33), start=st.integers(0, 10_000))
+def test_subrange_is_upstreams_rule(n: int, size: int, start: int) -> None:
+    for rank in range(size):
+        assert subrange(n, rank, size, start) == upstream_subrange(n, rank, size, start)
 
 
 def test_main_share_examples() -> None:
-    # 10 blocks over 4 ranks: sizes 3,3,2,2; with rotation 1, rank 1 gets the first piece.
-    assert [main_share(0, 10, d, 4, 0) for d in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert [main_share(0, 10, d, 4, 1) for d in range(4)] == [(8, 10), (0, 3), (3, 6), (6, 8)]
-    # A 1-block chunk lands on the rotated rank; the others get empty ranges.
-    assert [main_share(5, 6, d, 4, 2) for d in range(4)] == [(6, 6), (6, 6), (5, 6), (6, 6)]
+    # 10 blocks over 4 ranks: sizes 3,3,2,2; a chunk starting at 1 rotates the order by one.
+    assert [main_share(0, 10, d, 4) for d in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [main_share(1, 11, d, 4) for d in range(4)] == [(9, 11), (1, 4), (4, 7), (7, 9)]
+    # A 1-block chunk lands on the rank its start rotates to; the others get empty ranges.
+    assert [main_share(6, 7, d, 4) for d in range(4)] == [(7, 7), (7, 7), (6, 7), (7, 7)]
 
 
 def test_indexer_share_examples() -> None:
-    assert [indexer_share(4, 11, m, 3) for m in range(3)] == [(4, 7), (7, 9), (9, 11)]
+    assert [indexer_share(3, 10, m, 3) for m in range(3)] == [(3, 6), (6, 8), (8, 10)]
     assert [indexer_share(0, 1, m, 2) for m in range(2)] == [(0, 1), (1, 1)]
+    assert [indexer_share(1, 2, m, 2) for m in range(2)] == [(2, 2), (1, 2)]
 
 
-def test_prefill_share_example() -> None:
-    m = tp_mapping(4, 2)
-    shares = [prefill_share(0, 8, p, m, 0) for p in range(4)]
-    assert shares == [
-        Share(main=(0, 4), indexer=(0, 4)),
-        Share(main=(0, 0), indexer=(4, 8)),  # T2: member 1 sends no main KV
-        Share(main=(4, 8), indexer=(0, 4)),
-        Share(main=(0, 0), indexer=(4, 8)),
-    ]
-    assert shares[2].main_dest_start == 4 and shares[1].indexer_dest_start == 4
-    ids = np.arange(100, 108)
-    assert ids[shares[2].main_slice].tolist() == [104, 105, 106, 107]
-    assert ids[shares[1].main_slice].tolist() == []
+def test_decode_cut_example_from_the_interop_report() -> None:
+    # p_tp=2, d_tp=1, a 4-block chunk at 0: member 0 reads main and indexer [0, 2), member 1
+    # reads no main and indexer [2, 4) of the full lists it was sent (T6).
+    assert decode_cut(4, 4, 0, 0, 0, 2, 0, 1) == Cut(main=(0, 4), indexer=(0, 2))
+    assert decode_cut(4, 4, 0, 0, 1, 2, 0, 1) == Cut(main=(0, 0), indexer=(2, 4))
+    # Had Prefill cut first (member 1 sends only [2, 4) with start 2), Decode would cut that
+    # again and read a single block: the silent loss the report measured.
+    assert decode_cut(2, 2, 2, 2, 1, 2, 0, 1).indexer == (1, 2)
+    # d_tp=2 with a shared pool: each rank reads its piece of member 0's main.
+    assert [decode_cut(4, 4, 0, 0, 0, 2, d, 2).main for d in range(2)] == [(0, 2), (2, 4)]
+    # A per-rank KV cache: member 0's rank reads the whole main range.
+    assert decode_cut(4, 4, 0, 0, 0, 2, 1, 2, main_shared=False).main == (0, 4)
 
 
 @pytest.mark.parametrize(
     ("call", "prefix"),
     [
-        (lambda: main_share(5, 4, 0, 2, 0), "T5: chunk [5, 4)"),
-        (lambda: main_share(0, 4, 2, 2, 0), "T5: d_rank=2"),
-        (lambda: main_share(0, 4, 0, 0, 0), "T5: d_tp=0"),
-        (lambda: main_share(-1, 4, 0, 2, 0), "T5: start=-1"),
+        (lambda: main_share(5, 4, 0, 2), "T5: chunk [5, 4)"),
+        (lambda: main_share(0, 4, 2, 2), "T5: d_rank=2"),
+        (lambda: main_share(0, 4, 0, 0), "T5: d_tp=0"),
+        (lambda: main_share(-1, 4, 0, 2), "T5: start=-1"),
         (lambda: indexer_share(0, 4, 3, 3), "T3: member=3"),
         (lambda: indexer_share(0, 4, 0, 0), "T3: ratio=0"),
-        (lambda: rotation(b"x", 0, 2), "T5: ext_req_id"),
-        (lambda: prefill_share(0, 4, 4, tp_mapping(4, 2), 0), "T1: p_rank=4"),
+        (lambda: decode_cut(-1, 0, 0, 0, 0, 1, 0, 1), "T6: main block count=-1"),
+        (lambda: decode_cut(1, 0, True, 0, 0, 1, 0, 1), "T6: main_dest_start must be an int"),
     ],
 )
 def test_share_argument_checks(call, prefix: str) -> None:  # noqa: ANN001
@@ -251,13 +243,13 @@ def _assert_tiles(ranges: list[tuple[int, int]], start: int, stop: int) -> None:
 chunks = st.tuples(st.integers(0, 10_000), st.integers(0, 300)).map(lambda t: (t[0], t[0] + t[1]))
 
 
-@given(chunk=chunks, d_tp=st.integers(1, 32), rot=st.integers(0, 1000))
-def test_main_shares_tile_the_chunk(chunk: tuple[int, int], d_tp: int, rot: int) -> None:
+@given(chunk=chunks, d_tp=st.integers(1, 32))
+def test_main_shares_tile_the_chunk(chunk: tuple[int, int], d_tp: int) -> None:
     start, stop = chunk
-    ranges = [main_share(start, stop, d, d_tp, rot) for d in range(d_tp)]
+    ranges = [main_share(start, stop, d, d_tp) for d in range(d_tp)]
     _assert_tiles(ranges, start, stop)
-    # T5: the piece order is a rotation: the rotated rank holds the first piece.
-    assert ranges[rot % d_tp][0] == start
+    # T5: the piece order is rotated by the chunk's start.
+    assert ranges[start % d_tp][0] == start
 
 
 @given(chunk=chunks, ratio=st.integers(1, 32))
@@ -268,51 +260,37 @@ def test_indexer_shares_tile_the_chunk(chunk: tuple[int, int], ratio: int) -> No
 
 @given(chunk=chunks, d_tp=st.sampled_from([1, 2, 4, 8]), ratio=st.sampled_from([1, 2, 3, 4]))
 @settings(max_examples=60)
-def test_prefill_shares_per_decode_rank(chunk: tuple[int, int], d_tp: int, ratio: int) -> None:
-    """Over all P ranks: main written once per D-rank share, full indexer on every D rank."""
+def test_decode_cuts_per_decode_rank(chunk: tuple[int, int], d_tp: int, ratio: int) -> None:
+    """Every P rank sends the full lists (T6); over all D ranks, the main KV is read once
+    into the shared pool and every D rank reads the whole indexer."""
     start, stop = chunk
     m = tp_mapping(d_tp * ratio, d_tp)
-    rot = rotation("req", start, d_tp)
-    shares = [prefill_share(start, stop, p, m, rot) for p in range(m.p_tp)]
-    # T2 + T5: the non-empty main ranges of all P ranks tile the chunk exactly once.
-    _assert_tiles([s.main for p, s in enumerate(shares) if m.group_member_idx(p) == 0], start, stop)
-    assert all(s.main[0] == s.main[1] for p, s in enumerate(shares) if m.group_member_idx(p))
-    # T3: each D rank's contributors together cover the whole indexer range.
-    for d in range(d_tp):
-        _assert_tiles([shares[p].indexer for p in m.contributors(d)], start, stop)
+    n = stop - start
+    mains, per_rank_indexer = [], {d: [] for d in range(d_tp)}
+    for p in range(m.p_tp):
+        d, member = m.d_rank(p), m.group_member_idx(p)
+        cut = decode_cut(n, n, start, start, member, ratio, d, d_tp)
+        if member:
+            assert cut.main[0] == cut.main[1]  # T2
+        else:
+            mains.append((start + cut.main[0], start + cut.main[1]))
+        per_rank_indexer[d].append((start + cut.indexer[0], start + cut.indexer[1]))
+    _assert_tiles(mains, start, stop)  # T2 + T5
+    for ranges in per_rank_indexer.values():
+        _assert_tiles(ranges, start, stop)  # T3
 
 
-@given(d_tp=st.integers(2, 16), chunk_start=st.integers(0, 1000))
+@given(d_tp=st.integers(2, 16))
 @settings(max_examples=30)
-def test_rotation_spreads_single_block_chunks(d_tp: int, chunk_start: int) -> None:
-    """T5: one-block chunks of many requests land on every D rank, not always rank 0."""
-    owners = set()
-    for i in range(64 * d_tp):
-        rot = rotation(f"cmpl-{i:08x}", chunk_start, d_tp)
-        ranges = [main_share(chunk_start, chunk_start + 1, d, d_tp, rot) for d in range(d_tp)]
+def test_rotation_spreads_single_block_chunks(d_tp: int) -> None:
+    """T5: consecutive one-block chunks land on every D rank in turn, not always rank 0."""
+    owners = []
+    for start in range(d_tp):
+        ranges = [main_share(start, start + 1, d, d_tp) for d in range(d_tp)]
         owner = [d for d, (lo, hi) in enumerate(ranges) if hi > lo]
         assert len(owner) == 1
-        owners.add(owner[0])
-    assert owners == set(range(d_tp))
-
-
-@given(
-    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30),
-    d_tp=st.integers(1, 12),
-    req=st.text(max_size=20),
-)
-def test_rotation_balances_a_whole_request(sizes: list[int], d_tp: int, req: str) -> None:
-    """Consecutive chunks continue the round robin: per-rank totals differ by at most 1."""
-    totals = np.zeros(d_tp, dtype=np.int64)
-    start = 0
-    for n in sizes:
-        rot = rotation(req, start, d_tp)
-        for d in range(d_tp):
-            lo, hi = main_share(start, start + n, d, d_tp, rot)
-            totals[d] += hi - lo
-        start += n
-    assert totals.sum() == sum(sizes)
-    assert totals.max() - totals.min() <= 1
+        owners.append(owner[0])
+    assert sorted(owners) == list(range(d_tp))
 
 
 def test_split_bounds_vectorised_matches_scalar() -> None:

@@ -47,6 +47,7 @@ from sfa_rd2h.spec.wire import (
     encode_meta_reply,
     external_request_id,
     layer_of,
+    meta_refusal,
     split_router_frames,
 )
 
@@ -250,7 +251,7 @@ def test_appended_fields_are_ignored() -> None:
     assert decode(pack([READ_FAILED, 2, "e", 9])) == ReadFailed(2, "e")
     assert decode(pack([MF_META_ACK, True, 1, 1, "", "x"])) == MfMetaAck(True, 1, 1)
     blob = encode_layer_metadata(LAYERS)
-    assert decode(pack([MF_META, "h:1", blob, 1, 1, 0, 4])) == MfMeta("h:1", LAYERS, 1, 1)
+    assert decode(pack([MF_META, "h:1", blob, 1, 0, 1, 4])) == MfMeta("h:1", LAYERS, 1)
 
 
 # ------------------------------------------------------------------ ROUTER framing
@@ -286,19 +287,67 @@ def test_split_router_frames_rejects(frames: Any, text: str) -> None:
 def test_legacy_meta_is_version_one_and_gets_raw_ack() -> None:
     legacy = MfMeta("h:1", LAYERS)
     ack = check_versions(legacy)
-    assert ack == MfMetaAck(True, PROTOCOL_VERSION, LAYOUT_VERSION, "")
+    assert ack == MfMetaAck(True, PROTOCOL_VERSION)
     assert encode_meta_reply(legacy, ack) == RAW_ACK == b"ACK"
-    assert decode_meta_reply(RAW_ACK) == MfMetaAck(True, 1, 1)
+    assert decode_meta_reply(RAW_ACK) == MfMetaAck(True, 1)
     check_meta_ack(decode_meta_reply(RAW_ACK))
 
 
-def test_versioned_meta_gets_structured_ack() -> None:
-    msg = MfMeta("h:1", LAYERS, PROTOCOL_VERSION, LAYOUT_VERSION)
+def test_versioned_meta_is_the_forks_six_fields_and_gets_its_exact_ack() -> None:
+    msg = MfMeta("h:1", LAYERS, PROTOCOL_VERSION)
+    assert msgpack.unpackb(encode(msg), raw=False)[3:] == [1, 0, 1]  # version, pp_rank, pp_size
     ack = check_versions(msg)
     frame = encode_meta_reply(msg, ack)
-    assert frame == pack([b"mf_meta_ack", True, 1, 1, ""])
+    assert frame == pack([b"mf_meta_ack", 1])  # what the fork's Prefill accepts, byte for byte
     assert decode_meta_reply(frame) == ack
     check_meta_ack(ack)
+
+
+def test_earlier_project_form_still_gets_its_five_field_ack() -> None:
+    msg = MfMeta("h:1", LAYERS, PROTOCOL_VERSION, LAYOUT_VERSION)
+    assert len(msgpack.unpackb(encode(msg), raw=False)) == 5
+    frame = encode_meta_reply(msg, check_versions(msg))
+    assert frame == pack([b"mf_meta_ack", True, 1, 1, ""])
+    check_meta_ack(decode_meta_reply(frame))
+
+
+def test_refusal_of_a_versioned_meta_is_an_answer_that_says_why() -> None:
+    msg = MfMeta("h:1", LAYERS, 2)
+    frame = encode_meta_reply(msg, check_versions(msg))
+    fields = msgpack.unpackb(frame, raw=False)
+    assert fields[:3] == [b"mf_meta_ack", 0, 1] and "protocol version 2" in fields[3]
+    with pytest.raises(VersionMismatch, match="protocol version 2 from prefill"):
+        check_meta_ack(decode_meta_reply(frame))
+    pp = check_versions(MfMeta("h:1", LAYERS, 1, None, 1, 2))
+    assert not pp.accepted and "X3: prefill pipeline rank 1 of 2" in pp.error
+
+
+def test_undecodable_meta_is_refused_not_ignored() -> None:
+    bad = pack([MF_META, "h:1", b"not a map", 1, 0, 1])
+    with pytest.raises(WireError):
+        decode(bad)
+    refusal = meta_refusal(bad, "layer metadata: broken")
+    assert refusal is not None
+    ack = decode_meta_reply(refusal)
+    assert not ack.accepted and "layer metadata: broken" in ack.error
+    # The earlier 5-field form is refused in its own ack form.
+    old = meta_refusal(pack([MF_META, "h", b"x", 1, 1]), "no")
+    assert old is not None and decode_meta_reply(old).layout_version == LAYOUT_VERSION
+    assert meta_refusal(pack([READ_DONE, 1]), "x") is None
+    assert meta_refusal(b"\xc1garbage", "x") is None
+
+
+def test_predecessor_layer_map_takes_upstream_defaults() -> None:
+    three = {"l0": {"base_addrs": [4096, 8192, 12288], "block_len": [64, 64, 16],
+                    "tensor_group_idx": [0, 0, 0]}}
+    layers = decode_layer_metadata(pack(three))
+    meta = layers["l0"]
+    assert meta.block_size_scale == (1, 1, 1)
+    assert meta.main_tensor_count == 2
+    assert meta.has_indexer  # more addresses than main tensors
+    two = {"l0": {"base_addrs": [4096, 8192], "block_len": [64, 64],
+                  "tensor_group_idx": [0, 0]}}
+    assert not decode_layer_metadata(pack(two))["l0"].has_indexer
 
 
 def test_version_mismatch_names_both_versions() -> None:
@@ -312,12 +361,14 @@ def test_version_mismatch_names_both_versions() -> None:
     with pytest.raises(VersionMismatch, match="decode refused the handshake: F3: protocol"):
         check_meta_ack(decode_meta_reply(encode_meta_reply(MfMeta("h", {}, 3, 4), both)))
     with pytest.raises(VersionMismatch, match="decode speaks protocol version 9, prefill speaks 1"):
-        check_meta_ack(MfMetaAck(True, 9, 1))
+        check_meta_ack(MfMetaAck(True, 9))
+    with pytest.raises(VersionMismatch, match="decode speaks layout version 2"):
+        check_meta_ack(MfMetaAck(True, 1, 2))
 
 
 def test_refused_legacy_meta_is_not_a_raw_ack() -> None:
     legacy = MfMeta("h:1", LAYERS)
-    refusal = MfMetaAck(False, 1, 1, "F3: no")
+    refusal = MfMetaAck(False, 1, None, "F3: no")
     assert encode_meta_reply(legacy, refusal) != RAW_ACK
 
 
@@ -330,9 +381,11 @@ def test_decode_meta_reply_rejects(frame: Any, text: str) -> None:
         decode_meta_reply(frame)
 
 
-def test_mf_meta_versions_both_or_neither() -> None:
-    with pytest.raises(WireError, match="both or neither"):
-        MfMeta("h:1", LAYERS, 1, None)
+def test_mf_meta_layout_version_needs_a_protocol_version() -> None:
+    with pytest.raises(WireError, match="without a protocol_version"):
+        MfMeta("h:1", LAYERS, None, 1)
+    with pytest.raises(WireError, match="pp_rank"):
+        MfMeta("h:1", LAYERS, 1, None, 2, 2)
 
 
 # ------------------------------------------------------------------ helpers
@@ -520,7 +573,8 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("ready-ratio-0", pack(ready_fields(tp_ratio=0)), "tp_ratio: 0 is out of range"),
     ("ready-ratio-big", pack(ready_fields(tp_ratio=MAX_TP_RATIO + 1)), "tp_ratio: 1025 is out"),
     ("ready-ratio-bool", pack(ready_fields(tp_ratio=True)), "tp_ratio: expected int, got bool"),
-    ("meta-4", pack([MF_META, "h", pack({}), 1]), "mf_meta: expected 3 (legacy) or at least 5"),
+    ("meta-4", pack([MF_META, "h", pack({}), 1]), "mf_meta: expected 3, 5 or at least 6"),
+    ("meta-pp", pack([MF_META, "h", pack({}), 1, 2, 2]), "pp_rank=2 is not a rank of pp_size=2"),
     ("meta-session-bin", pack([MF_META, b"h", pack({})]), "p_session: expected str, got bytes"),
     ("meta-blob-str", _blob_frame("{}"), "layer metadata: expected msgpack bytes, got str"),
     ("meta-blob-garbage", _blob_frame(b"\xc1"), "layer metadata: not valid msgpack"),
@@ -531,8 +585,8 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("meta-unknown-key", _blob_frame(pack({"l0": meta_map(x=1)})), "unknown field str 'x'"),
     (
         "meta-missing-key",
-        _blob_frame(pack({"l0": meta_map(has_indexer=_DROP)})),
-        "layer metadata['l0']: missing field(s) has_indexer",
+        _blob_frame(pack({"l0": meta_map(tensor_group_idx=_DROP)})),
+        "layer metadata['l0']: missing field(s) tensor_group_idx",
     ),
     ("meta-dup-key", _blob_frame(_DUP_FIELD_BLOB), "duplicate field 'has_indexer'"),
     (
@@ -551,8 +605,8 @@ MALFORMED: list[tuple[str, Any, str]] = [
         pack([MF_META, "h", pack({}), True, 1]),
         "protocol_version: expected int, got bool",
     ),
-    ("ack-short", pack([MF_META_ACK, True, 1, 1]), "mf_meta_ack: expected at least 5 fields"),
-    ("ack-accepted-int", pack([MF_META_ACK, 1, 1, 1, ""]), "accepted: expected bool, got int"),
+    ("ack-short", pack([MF_META_ACK, 0, 1]), "mf_meta_ack: expected at least 4 in a refusal"),
+    ("ack-str", pack([MF_META_ACK, "yes"]), "mf_meta_ack: expected a version or a bool"),
     ("ack-version-neg", pack([MF_META_ACK, True, -1, 1, ""]), "protocol_version: -1 is out"),
 ]
 

@@ -448,8 +448,7 @@ def bench_decode_core(sizes: Sizes) -> Result:
     case = layer_case(sizes.requests, sizes.blocks)
     peer, layer = "prefill-0", "model.layers.0.self_attn.attn"
     core = DecodeCore(0, 1, {layer: case.dst})
-    meta = wire.MfMeta("10.0.0.1:7000", {layer: case.src}, wire.PROTOCOL_VERSION,
-                       wire.LAYOUT_VERSION)
+    meta = wire.MfMeta("10.0.0.1:7000", {layer: case.src}, wire.PROTOCOL_VERSION)
     core.on_frame(peer, wire.encode(meta), 0.0)
     entries = []
     for i, (sm, dm, si, di) in enumerate(zip(case.src_main, case.dst_main, case.src_idx,

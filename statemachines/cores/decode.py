@@ -3,6 +3,9 @@
 It keeps the MF_META of every Prefill connection (W1, F3), runs one ``decode_layer_read``
 machine per READY (validation L1, bounded wait for destinations C1, one batched read C4,
 exactly one reply S3) and one ``request_status`` machine per external request (R1-R5).
+Prefill sends every contributor the chunk's full block lists; this core cuts its own share
+of each entry when it plans the read (T2, T3, T5, T6), exactly as the upstream Decode does,
+so mixed deployments move every block once.
 Inputs are raw frames, transfer results and ``now``; outputs are actions. The same object
 runs under the ZMQ reader thread and under the model checker.
 
@@ -22,6 +25,7 @@ import numpy as np
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
+from sfa_rd2h.spec.topology import Cut, decode_cut
 from sfa_rd2h.statemachines.cores.actions import (
     Action,
     IssueRead,
@@ -73,10 +77,14 @@ class DecodeCore:
         destination_wait: float = 10.0,
         request_deadline: float = 300.0,
         memory: int = 65536,
+        main_dest_shared: bool = True,
         observer: Observer | None = None,
     ) -> None:
         self.d_rank = d_rank
         self.d_tp = d_tp
+        # T5: the main destination is one pool shared by the Decode TP ranks (Ascend's CPU
+        # pool), so each rank reads a piece; False for a per-rank KV cache (vLLM on CPU).
+        self.main_dest_shared = main_dest_shared
         self.dest_layouts = dict(dest_layouts)
         self.destination_wait = destination_wait
         self.request_deadline = request_deadline
@@ -161,6 +169,10 @@ class DecodeCore:
             msg = wire.decode(payload)
         except ProtocolError as exc:
             self.stats.rejected_frames += 1
+            refusal = wire.meta_refusal(payload, str(exc))
+            if refusal is not None:  # W1: an MF_META we cannot accept is answered, why included
+                self.connections.pop(peer, None)
+                return [Send(peer, refusal)]
             return self._answer_malformed(peer, payload, exc)
         if isinstance(msg, wire.MfMeta):
             return self._on_meta(peer, msg)
@@ -204,6 +216,10 @@ class DecodeCore:
             self._validate_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
+        empty = next((e.ext_req_id for e in msg.read_reqs
+                      if not e.p_main_block_ids and not e.p_indexer_block_ids), None)
+        if empty is not None:
+            return self._reject(ready, f"T6: entry for {empty!r} carries no block at all")
         missing = frozenset(
             e.ext_req_id for e in msg.read_reqs
             if e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
@@ -238,26 +254,37 @@ class DecodeCore:
     def _forget(self, ext_req_id: str) -> None:
         del self.requests[ext_req_id]
 
-    def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout,
-                    live: list[wire.ReadReq]) -> ReadPlan:
-        """One plan for the whole layer: the block ids of every live request are joined so
-        the layout is checked once and numpy builds and coalesces all descriptors in one
-        pass (runs may even continue across requests)."""
+    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
+        """T6: what this rank reads of an entry that carries the chunk's full lists."""
+        return decode_cut(len(entry.p_main_block_ids), n_indexer, entry.main_dest_start,
+                          entry.indexer_dest_start, member, ratio, self.d_rank, self.d_tp,
+                          main_shared=self.main_dest_shared)
+
+    def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
+                    msg: wire.ReadReadyBatch) -> ReadPlan:
+        """One plan for the whole layer: each live entry is cut to this rank's share (T6),
+        then the block ids of every entry are joined so the layout is checked once and numpy
+        builds and coalesces all descriptors in one pass."""
         if not live:
             return ReadPlan.empty()
-        n_idx = [len(e.p_indexer_block_ids) if dst.has_indexer else 0 for e in live]
-        reqs = [self.requests[e.ext_req_id] for e in live]
-        return plan_layer_reads(
-            src, dst,
-            _join([e.p_main_block_ids for e in live]),
-            np.concatenate([_dest_slice(r.main_dest, e.main_dest_start,
-                                        len(e.p_main_block_ids), "main")
-                            for r, e in zip(reqs, live, strict=True)]),
-            _join([e.p_indexer_block_ids if n else () for e, n in zip(live, n_idx,
-                                                                      strict=True)]),
-            np.concatenate([_dest_slice(r.indexer_dest, e.indexer_dest_start, n, "indexer")
-                            for r, e, n in zip(reqs, live, n_idx, strict=True)]),
-        )
+        member, ratio = msg.group_member_idx, msg.tp_ratio
+        main_src, main_dst, idx_src, idx_dst = [], [], [], []
+        for e in live:
+            req = self.requests[e.ext_req_id]
+            n_idx = len(e.p_indexer_block_ids) if dst.has_indexer else 0
+            cut = self._cut(e, n_idx, member, ratio)
+            lo, hi = cut.main
+            if member == 0:  # L1: the whole range must fit before any piece is read
+                _dest_slice(req.main_dest, e.main_dest_start, len(e.p_main_block_ids), "main")
+            main_src.append(e.p_main_block_ids[lo:hi])
+            main_dst.append(_dest_slice(req.main_dest, e.main_dest_start + lo, hi - lo, "main"))
+            lo, hi = cut.indexer
+            _dest_slice(req.indexer_dest, e.indexer_dest_start, n_idx, "indexer")
+            idx_src.append(e.p_indexer_block_ids[lo:hi])
+            idx_dst.append(_dest_slice(req.indexer_dest, e.indexer_dest_start + lo, hi - lo,
+                                       "indexer"))
+        return plan_layer_reads(src, dst, _join(main_src), np.concatenate(main_dst),
+                                _join(idx_src), np.concatenate(idx_dst))
 
     def _transfer_result(self, result: int) -> int:
         return result
@@ -298,7 +325,7 @@ class DecodeCore:
         dst = self.dest_layouts[msg.layer_name]
         live, actions = self._live_entries(msg)
         try:
-            plan = self._plan_layer(src, dst, live)
+            plan = self._plan_layer(src, dst, live, msg)
         except ProtocolError as exc:
             return actions + self._reject(ready, str(exc))
         ready.live = tuple(e.ext_req_id for e in live)

@@ -19,7 +19,7 @@ import numpy as np
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.params import RemoteDecode, parse_remote_decode
-from sfa_rd2h.spec.topology import Share, TpMapping, prefill_share, rotation
+from sfa_rd2h.spec.topology import TpMapping
 from sfa_rd2h.statemachines.cores.actions import Action, Send
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import PeerSession, SlotGate
@@ -84,8 +84,8 @@ class PrefillCore:
         self.layer_names: tuple[str, ...] = tuple(layers)
         self.block_size = block_size
         self.reply_timeout = reply_timeout
-        self._meta = wire.MfMeta(session, dict(layers), wire.PROTOCOL_VERSION,
-                                 wire.LAYOUT_VERSION)
+        # The versioned 6-field form: the fork checks it, upstream reads its first 3 fields.
+        self._meta = wire.MfMeta(session, dict(layers), wire.PROTOCOL_VERSION)
         self._meta_payload = wire.encode(self._meta)
         self._slots = Driver("prefill_slot", observer)
         self._sessions = Driver("peer_session", observer)
@@ -151,9 +151,14 @@ class PrefillCore:
     def _gate_keys(self, layer_name: str, meta: wire.LayerMeta) -> tuple[str, str | None]:
         return slot_keys(meta)
 
-    def _share(self, req: PrefillRequest, start: int, stop: int) -> Share:
-        return prefill_share(start, stop, self.p_rank, self.mapping,
-                             rotation(req.ext_req_id, start, self.mapping.d_tp))
+    def _entry(self, req: PrefillRequest, start: int, stop: int) -> wire.ReadReq | None:
+        """T6: every member sends the chunk's full lists and Decode cuts its share, as
+        upstream does; a chunk that completed no block sends no entry (an entry with no
+        blocks at all is an error for the layer at an upstream Decode)."""
+        if stop == start:
+            return None
+        return wire.ReadReq(req.ext_req_id, tuple(req.main_ids[start:stop].tolist()),
+                            tuple(req.indexer_ids[start:stop].tolist()), start, start)
 
     # ----------------------------------------------------------------- compute path
     def gates_of(self, layer_idx: int) -> tuple[SlotGate, ...]:
@@ -206,21 +211,16 @@ class PrefillCore:
         for req in self.requests.values():
             if req.chunk is None:
                 continue
-            share = self._share(req, *req.chunk)
-            entries.setdefault(req.endpoint, []).append(wire.ReadReq(
-                req.ext_req_id,
-                tuple(req.main_ids[share.main_slice].tolist()),
-                tuple(req.indexer_ids[share.indexer_slice].tolist()),
-                share.main_dest_start,
-                share.indexer_dest_start,
-            ))
+            entry = self._entry(req, *req.chunk)
+            if entry is not None:
+                entries.setdefault(req.endpoint, []).append(entry)
             if last_layer and req.final:
                 done.setdefault(req.endpoint, []).append(req.ext_req_id)
         return {
             ep: wire.encode(wire.ReadReadyBatch(
-                layer_idx, self.layer_names[layer_idx], tuple(reqs), tuple(done.get(ep, ())),
-                self.member, self.mapping.ratio))
-            for ep, reqs in entries.items()
+                layer_idx, self.layer_names[layer_idx], tuple(entries.get(ep, ())),
+                tuple(done.get(ep, ())), self.member, self.mapping.ratio))
+            for ep in [*entries, *(ep for ep in done if ep not in entries)]
         }
 
     def _close_chunks(self) -> None:
@@ -277,6 +277,10 @@ class PrefillCore:
         return []
 
     def _on_meta_reply(self, endpoint: str, ep: _Endpoint, ack: wire.MfMetaAck) -> list[Action]:
+        try:
+            wire.check_meta_ack(ack)  # F3 holds on this side too
+        except ProtocolError as exc:
+            ack = wire.MfMetaAck(False, ack.protocol_version, ack.layout_version, str(exc))
         if ack.accepted:
             self._sessions.fire(ep.session, "meta_acked")
             held, ep.held = ep.held, []
