@@ -823,7 +823,7 @@ class Cluster:
             (tuple(sorted(core.connections)),
              tuple(sorted((k, r.status.snapshot(), r.inflight) for k, r in core.requests.items())),
              tuple(sorted(core.terminal.items())),
-             tuple(r.read.key.rsplit("/", 1)[0] for r in core._waiting))
+             tuple(r.read.key.rsplit("/", 1)[0] for r in core.waiting_reads()))
             for core in self.decode)
         net = tuple((k, tuple(self.to_d[k]), tuple(self.to_p[k])) for k in sorted(self.to_d))
         reads = tuple(tuple((r.session, r.plan.local_addrs.tobytes(), r.plan.peer_addrs.tobytes())

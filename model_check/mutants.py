@@ -187,10 +187,11 @@ class MalformedUnanswered(DecodeCore):
 class NoMetaCheck(DecodeCore):
     """W1: READY accepted on a connection without MF_META, using any other connection's."""
 
-    def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float) -> list:
+    def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float,
+                  payload: bytes = b"") -> list:
         if peer not in self.connections and self.connections:
             self.connections[peer] = next(iter(self.connections.values()))
-        return super()._on_ready(peer, msg, now)
+        return super()._on_ready(peer, msg, now, payload)
 
 
 # ---------------------------------------------------------------- catalog

@@ -10,7 +10,7 @@ from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.spec.topology import tp_mapping
 from sfa_rd2h.statemachines.cores.actions import IssueRead, RequestReady, Send
-from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.decode import DecodeCore, DecodeLimits
 from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
 
 MAIN, IDX = 16, 8
@@ -316,10 +316,94 @@ def test_finished_request_is_no_longer_published():  # C2
 
 
 def test_tombstones_are_bounded():  # R5 memory on a long-running Decode
-    d = decode(memory=3)
+    d = decode(limits=DecodeLimits(tombstones=3))
     for i in range(5):
         d.register_request(f"r{i}", [i], [i], 0.0)
         d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-        d.on_frame("p0", ready(reqs=((f"r{i}", (), (), 0, 0),), done=(f"r{i}",)), 0.0)
+        d.on_frame("p0", ready(reqs=(), done=(f"r{i}",)), 0.0)
         d.apply_agreement(f"r{i}", True)
     assert list(d.terminal) == ["r2", "r3", "r4"]
+
+
+def _early_failure(d: DecodeCore, ext: str, peer: str = "p0") -> None:
+    """A READY for an unregistered request that fails at once (layout mismatch, L1)."""
+    bad = {"l0": wire.LayerMeta((0, 4096, 8192), (MAIN * 2, MAIN, IDX), (1, 1, 1), (0, 0, 1),
+                                2, True)}
+    d.on_frame(peer, wire.encode(wire.MfMeta("s", bad)), 0.0)
+    [reply] = sends(d.on_frame(peer, ready(reqs=((ext, (5,), (6,), 0, 0),)), 0.0))
+    assert isinstance(wire.decode(reply), wire.ReadFailed)
+
+
+def test_failure_evidence_survives_a_flood_of_other_failures():  # R5 (hostile peer)
+    d = decode(limits=DecodeLimits(early_failures=4))
+    _early_failure(d, "victim")
+    for i in range(200):  # far past the exact table: the rest go to the hashed set
+        _early_failure(d, f"flood-{i}")
+    d.register_request("victim", [10, 11], [20, 21], 0.0)
+    assert d.local_outcome("victim") is False  # the evidence was not evicted
+    d.register_request("flood-150", [12], [22], 0.0)
+    assert d.local_outcome("flood-150") is False
+    assert "early failures at once" in d.requests["flood-150"].status.error
+
+
+def test_a_peer_without_mf_meta_cannot_fail_or_poison_requests():  # W1, R5
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    [reply] = sends(d.on_frame("rogue", ready(reqs=(("r1", (5,), (6,), 0, 0),
+                                                    ("r2", (5,), (6,), 0, 0))), 0.0))
+    assert "W1" in wire.decode(reply).error
+    assert d.requests["r1"].status.state == "registered"  # still served normally
+    d.register_request("r2", [12], [22], 0.0)
+    assert d.requests["r2"].status.state == "registered"  # no tombstone from the rogue
+
+
+def test_waiting_readys_are_bounded_by_count_and_bytes():  # C1 (hostile peer)
+    d = decode(limits=DecodeLimits(waiting_readys=2, waiting_bytes=10_000))
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    assert d.on_frame("p0", ready(reqs=(("a", (1,), (1,), 0, 0),)), 0.0) == []
+    assert d.on_frame("p0", ready(reqs=(("b", (1,), (1,), 0, 0),)), 0.0) == []
+    [refused] = sends(d.on_frame("p0", ready(reqs=(("c", (1,), (1,), 0, 0),)), 0.0))
+    assert "limit is 2 READYs" in wire.decode(refused).error
+    big = ready(reqs=(("d", tuple(range(3000)), (), 0, 0),))
+    d2 = decode(limits=DecodeLimits(waiting_bytes=len(big) - 1))
+    d2.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    [refused] = sends(d2.on_frame("p0", big, 0.0))
+    assert "bytes" in wire.decode(refused).error
+    # A waiting READY keeps its frame, not the decoded message.
+    assert [r.msg for r in d.waiting_reads()] == [None, None]
+    [read] = d.register_request("a", [10], [20], 1.0)
+    assert isinstance(read, IssueRead)
+
+
+def test_connection_table_is_bounded_and_keeps_only_known_layers():  # W1 (hostile peers)
+    d = decode(limits=DecodeLimits(connections=2, connection_idle=60.0))
+    junk = dict(LAYERS, **{f"junk{i}": layer_meta(0x10000) for i in range(50)})
+    for peer in ("p0", "p1"):
+        [ack] = sends(d.on_frame(peer, wire.encode(wire.MfMeta("s", junk, 1)), 0.0))
+        assert wire.decode_meta_reply(ack).accepted
+    assert set(d.connections["p0"].layers) == {"l0", "l1"}
+    [full] = sends(d.on_frame("p2", wire.encode(wire.MfMeta("s", LAYERS, 1)), 30.0))
+    assert "limit of 2" in wire.decode_meta_reply(full).error
+    d.on_frame("p1", ready(reqs=()), 50.0)  # p1 is active; p0 idles
+    [ok] = sends(d.on_frame("p2", wire.encode(wire.MfMeta("s", LAYERS, 1)), 70.0))
+    assert wire.decode_meta_reply(ok).accepted
+    assert set(d.connections) == {"p1", "p2"}
+
+
+def test_cost_per_event_does_not_grow_with_waiting_readys():  # issue: bound the work
+    # Count machine work instead of timing it: a registration touches only its own READY,
+    # and a tick before any deadline touches nothing.
+    fired: list[tuple] = []
+    d = decode(limits=DecodeLimits(waiting_readys=100_000, waiting_bytes=1 << 30),
+               observer=lambda *a: fired.append(a))
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    for i in range(20_000):
+        d.on_frame("p0", ready(reqs=((f"w{i}", (1,), (1,), 0, 0),)), 0.0)
+    fired.clear()
+    d.register_request("w7", [10], [20], 1.0)
+    assert len(fired) <= 3  # the request's start, its READY's destinations_arrived, accept
+    fired.clear()
+    assert d.tick(2.0) == [] and fired == []
+    assert len(sends(d.tick(11.0))) == 19_999  # every other READY expires now, once
+
+

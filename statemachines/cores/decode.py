@@ -16,9 +16,11 @@ read that covers it is still in flight.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,10 +54,42 @@ class ServedReady:
     """One READY being served, with what the core decided for it."""
 
     peer: str
-    msg: wire.ReadReadyBatch | None  # None: a malformed frame whose layer was identifiable
+    # None: a malformed frame whose layer was identifiable, or a READY waiting for its
+    # destinations, which keeps only its frame (``payload``) instead of the ~8x larger
+    # decoded message
+    msg: wire.ReadReadyBatch | None
     read: LayerRead
     deadline: float = 0.0
     live: tuple[str, ...] = ()
+    # Whether the READY came on a connection with an accepted MF_META: only such a READY
+    # may fail requests or leave failure evidence (an unauthenticated peer cannot).
+    trusted: bool = False
+    payload: bytes | None = None
+    seq: int = -1  # its key among the waiting READYs (not id(): the checker deep-copies)
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """The bound of every table a Decode core keeps, so no peer can grow it without limit.
+
+    An overflow refuses the newest work with an error that names the limit; it never drops
+    evidence of an older failure (R5).
+    """
+
+    #: finished requests remembered so late READYs are skipped (oldest forgotten first:
+    #: a late READY for a forgotten request only waits and fails, it writes nothing)
+    tombstones: int = 65536
+    #: requests failed before vLLM registered them, remembered exactly; beyond this they go
+    #: into a fixed-size hashed set that may fail an innocent request but never lets a
+    #: failed one succeed
+    early_failures: int = 65536
+    #: READYs waiting for destinations (C1), by count and by the size of their frames
+    waiting_readys: int = 4096
+    waiting_bytes: int = 256 * 1024 * 1024
+    #: Prefill connections with an accepted MF_META (W1); when full, one idle for
+    #: ``connection_idle`` seconds gives way, otherwise the new MF_META is refused
+    connections: int = 4096
+    connection_idle: float = 600.0
 
 
 @dataclass
@@ -76,8 +110,8 @@ class DecodeCore:
         *,
         destination_wait: float = 10.0,
         request_deadline: float = 300.0,
-        memory: int = 65536,
         main_dest_shared: bool = True,
+        limits: DecodeLimits | None = None,
         observer: Observer | None = None,
     ) -> None:
         self.d_rank = d_rank
@@ -88,17 +122,25 @@ class DecodeCore:
         self.dest_layouts = dict(dest_layouts)
         self.destination_wait = destination_wait
         self.request_deadline = request_deadline
+        self.limits = limits or DecodeLimits()
         self._reads = Driver("decode_layer_read", observer)
         self._requests = Driver("request_status", observer)
         self.connections: dict[str, wire.MfMeta] = {}
+        self._last_seen: dict[str, float] = {}  # connection -> last frame, oldest first
         self.requests: dict[str, DecodeRequest] = {}
         # Tombstones (ext id -> succeeded) let late READYs be skipped instead of waited for
-        # (R5); failures of not-yet-registered requests fail them on registration. Both are
-        # bounded, oldest first, so a long-running Decode does not grow without limit.
+        # (R5); failures of not-yet-registered requests fail them on registration.
         self.terminal: dict[str, bool] = {}
         self._failed_unregistered: dict[str, str] = {}
-        self.memory = memory
-        self._waiting: list[ServedReady] = []
+        self._failed_overflow = bytearray(_OVERFLOW_BITS // 8)
+        self._overflowed = 0
+        # READYs waiting for destinations, indexed by the ids they wait for, and one heap
+        # of deadlines (READYs and requests), so the cost of a frame, a registration or a
+        # tick does not grow with how much is waiting.
+        self._waiting_by_id: dict[str, list[ServedReady]] = {}
+        self._waiting: dict[int, ServedReady] = {}  # seq -> ready, arrival order
+        self._waiting_bytes = 0
+        self._deadlines: list[tuple[float, int, str, object]] = []
         self._inflight: dict[int, ServedReady] = {}
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
@@ -114,21 +156,24 @@ class DecodeCore:
         req = self.requests[ext_req_id] = DecodeRequest(
             status, np.asarray(main_dest, dtype=np.int64),
             np.asarray(indexer_dest, dtype=np.int64), now + self.request_deadline)
+        heapq.heappush(self._deadlines, (req.deadline, next(self._serial), "request", ext_req_id))
         actions: list[Action] = []
         early = self._failed_unregistered.pop(ext_req_id, None)
+        if early is None and self._maybe_failed(ext_req_id):
+            early = ("R5: a READY for this request may have failed before it was registered "
+                     f"(more than {self.limits.early_failures} early failures at once); "
+                     "failing it rather than risking missing KV")
         if early is not None:
             self._requests.fire(status, "read_failed", early)
             actions += self._maybe_ready(req)
-        still_waiting = []
-        for ready in self._waiting:
-            if ext_req_id in ready.read.missing:
-                ready.read.missing = ready.read.missing - {ext_req_id}
-                if not ready.read.missing:
-                    self._reads.fire(ready.read, "destinations_arrived")
-                    actions += self._plan(ready, now)
-                    continue
-            still_waiting.append(ready)
-        self._waiting = still_waiting
+        for ready in self._waiting_by_id.pop(ext_req_id, ()):
+            if self._waiting.get(ready.seq) is not ready:
+                continue
+            ready.read.missing = ready.read.missing - {ext_req_id}
+            if not ready.read.missing:
+                self._stop_waiting(ready)
+                self._reads.fire(ready.read, "destinations_arrived")
+                actions += self._plan(ready, now)
         return actions
 
     def local_outcome(self, ext_req_id: str) -> bool | None:
@@ -147,7 +192,7 @@ class DecodeCore:
         self._requests.fire(req.status, "tp_agreed", all_ok)
         self._forget(ext_req_id)
         ok = req.status.state == "succeeded"
-        _remember(self.terminal, ext_req_id, ok, self.memory)
+        _remember(self.terminal, ext_req_id, ok, self.limits.tombstones)
         error = req.status.error or (None if ok else "R1: another Decode TP rank failed")
         return [RequestFinished(ext_req_id, ok, error)]
 
@@ -175,9 +220,12 @@ class DecodeCore:
                 return [Send(peer, refusal)]
             return self._answer_malformed(peer, payload, exc)
         if isinstance(msg, wire.MfMeta):
-            return self._on_meta(peer, msg)
+            return self._on_meta(peer, msg, now)
         if isinstance(msg, wire.ReadReadyBatch):
-            return self._on_ready(peer, msg, now)
+            if peer in self._last_seen:  # least recently used connections first
+                del self._last_seen[peer]
+                self._last_seen[peer] = now
+            return self._on_ready(peer, msg, now, payload)
         self.stats.rejected_frames += 1
         return []
 
@@ -189,21 +237,43 @@ class DecodeCore:
         read = self._reads.start(LayerRead(self._read_key(peer, layer), layer))
         return self._reject(ServedReady(peer, None, read), f"W5: {exc}")
 
-    def _on_meta(self, peer: str, msg: wire.MfMeta) -> list[Action]:
+    def _on_meta(self, peer: str, msg: wire.MfMeta, now: float) -> list[Action]:
         ack = wire.check_versions(msg)
+        if ack.accepted and peer not in self.connections and not self._room_for(now):
+            ack = wire.MfMetaAck(
+                False, ack.protocol_version, ack.layout_version,
+                f"W1: {len(self.connections)} connections reached the limit of "
+                f"{self.limits.connections} and none was idle for "
+                f"{self.limits.connection_idle}s")
         if ack.accepted:
-            self.connections[peer] = msg
+            # Only the layers this rank registered can ever be read; the rest is not kept.
+            known = {n: m for n, m in msg.layers.items() if n in self.dest_layouts}
+            self.connections[peer] = replace(msg, layers=known)
+            self._last_seen.pop(peer, None)
+            self._last_seen[peer] = now
         else:
-            self.connections.pop(peer, None)
+            self.connection_lost(peer)
         return [Send(peer, wire.encode_meta_reply(msg, ack))]
+
+    def _room_for(self, now: float) -> bool:
+        """Whether one more connection fits, giving way to the least recently used one if it
+        has been idle long enough (its next READY is refused under W1)."""
+        if len(self.connections) < self.limits.connections:
+            return True
+        oldest = next(iter(self._last_seen), None)
+        if oldest is None or now - self._last_seen[oldest] < self.limits.connection_idle:
+            return False
+        self.connection_lost(oldest)
+        return True
 
     def _read_key(self, peer: str, layer_idx: int) -> str:
         return f"{peer}/L{layer_idx}/{next(self._serial)}"
 
-    def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float) -> list[Action]:
+    def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float,
+                  payload: bytes = b"") -> list[Action]:
         read = self._reads.start(LayerRead(self._read_key(peer, msg.layer_idx), msg.layer_idx))
-        ready = ServedReady(peer, msg, read)
         meta = self.connections.get(peer)
+        ready = ServedReady(peer, msg, read, trusted=meta is not None, payload=payload)
         if meta is None:
             return self._reject(ready, f"W1: READY for layer {msg.layer_idx} before MF_META "
                                        "on this connection")
@@ -223,8 +293,15 @@ class DecodeCore:
         missing = frozenset(
             e.ext_req_id for e in msg.read_reqs
             if e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
-            and e.ext_req_id not in self._failed_unregistered)
+            and e.ext_req_id not in self._failed_unregistered
+            and not self._maybe_failed(e.ext_req_id))
         if missing:
+            if (len(self._waiting) >= self.limits.waiting_readys
+                    or self._waiting_bytes + len(payload) > self.limits.waiting_bytes):
+                return self._reject(ready, (
+                    f"C1: {len(self._waiting)} READYs ({self._waiting_bytes} bytes) already wait "
+                    f"for destinations, the limit is {self.limits.waiting_readys} READYs and "
+                    f"{self.limits.waiting_bytes} bytes"))
             return self._await_destinations(ready, missing, now)
         return self._plan(ready, now)
 
@@ -245,8 +322,30 @@ class DecodeCore:
         ready.read.missing = missing
         self._reads.fire(ready.read, "accept")
         ready.deadline = now + self.destination_wait
-        self._waiting.append(ready)
+        if ready.payload:
+            ready.msg = None  # the frame is kept instead; decoded again when it is served
+        ready.seq = next(self._serial)
+        self._waiting[ready.seq] = ready
+        self._waiting_bytes += len(ready.payload or b"")
+        for ext in missing:
+            self._waiting_by_id.setdefault(ext, []).append(ready)
+        heapq.heappush(self._deadlines, (ready.deadline, next(self._serial), "ready", ready))
         return []
+
+    def _stop_waiting(self, ready: ServedReady) -> None:
+        self._waiting.pop(ready.seq, None)
+        self._waiting_bytes -= len(ready.payload or b"")
+        for ext in ready.read.missing:
+            waiters = self._waiting_by_id.get(ext)
+            if waiters is not None:
+                waiters[:] = [r for r in waiters if r is not ready]
+                if not waiters:
+                    del self._waiting_by_id[ext]
+        if ready.msg is None and ready.payload:
+            msg = wire.decode(ready.payload)  # it decoded once already
+            assert isinstance(msg, wire.ReadReadyBatch)
+            ready.msg = msg
+        ready.payload = None
 
     def _is_live(self, req: DecodeRequest) -> bool:
         return req.status.state == "registered"
@@ -321,7 +420,10 @@ class DecodeCore:
         meta = self.connections.get(ready.peer)
         if meta is None:  # the connection restarted while this READY waited
             return self._reject(ready, "W1: connection lost its MF_META while waiting")
-        src = meta.layers[msg.layer_name]
+        src = meta.layers.get(msg.layer_name)
+        if src is None:  # a new MF_META on this connection dropped the layer meanwhile
+            return self._reject(ready, f"L1: layer {msg.layer_name!r} left the MF_META of "
+                                       "this connection while the READY waited")
         dst = self.dest_layouts[msg.layer_name]
         live, actions = self._live_entries(msg)
         try:
@@ -380,14 +482,12 @@ class DecodeCore:
             self.stats.replies["failed"] += 1
             error = read.error or "read failed"
             actions.append(Send(ready.peer, wire.encode(wire.ReadFailed(read.layer_idx, error))))
-            if msg is not None:
+            if msg is not None and ready.trusted:
                 for entry in msg.read_reqs:
                     req = self.requests.get(entry.ext_req_id)
                     if req is None:
                         if entry.ext_req_id not in self.terminal:
-                            if entry.ext_req_id not in self._failed_unregistered:
-                                _remember(self._failed_unregistered, entry.ext_req_id, error,
-                                          self.memory)
+                            self._remember_failure(entry.ext_req_id, error)
                     elif req.status.state == "registered":
                         actions += self._fail_request(entry.ext_req_id, error)
                     else:
@@ -397,34 +497,83 @@ class DecodeCore:
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> list[Action]:
         """Expire bounded waits: READYs whose destinations never came (C1) and requests
-        whose contributors never finished."""
+        whose contributors never finished. Costs O(log n) per expiry, not O(waiting)."""
         actions: list[Action] = []
-        expired = [r for r in self._waiting if now >= r.deadline]
-        self._waiting = [r for r in self._waiting if now < r.deadline]
-        for ready in expired:
-            missing = ", ".join(sorted(ready.read.missing))
-            self._reads.fire(ready.read, "wait_expired",
-                             f"C1: destinations of {missing} not registered within "
-                             f"{self.destination_wait}s")
-            actions += self._finish(ready)
-        for req in list(self.requests.values()):
-            if req.status.state == "registered" and now >= req.deadline:
-                self._requests.fire(req.status, "deadline_expired",
-                                    f"R1: contributors incomplete after {self.request_deadline}s")
-                actions += self._maybe_ready(req)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, kind, what = heapq.heappop(self._deadlines)
+            if kind == "ready":
+                ready = what
+                assert isinstance(ready, ServedReady)
+                if self._waiting.get(ready.seq) is not ready:
+                    continue
+                missing = ", ".join(sorted(ready.read.missing))
+                self._stop_waiting(ready)
+                self._reads.fire(ready.read, "wait_expired",
+                                 f"C1: destinations of {missing} not registered within "
+                                 f"{self.destination_wait}s")
+                actions += self._finish(ready)
+            else:
+                req = self.requests.get(str(what))
+                if req is not None and req.status.state == "registered" and \
+                        now >= req.deadline:
+                    self._requests.fire(req.status, "deadline_expired",
+                                        f"R1: contributors incomplete after "
+                                        f"{self.request_deadline}s")
+                    actions += self._maybe_ready(req)
         return actions
 
     def has_waiting_reads(self) -> bool:
         return bool(self._waiting)
 
+    def waiting_reads(self) -> list[ServedReady]:
+        """The READYs waiting for destinations, in arrival order."""
+        return list(self._waiting.values())
+
     def next_deadline(self) -> float | None:
-        times = [r.deadline for r in self._waiting]
-        times += [r.deadline for r in self.requests.values() if r.status.state == "registered"]
-        return min(times, default=None)
+        while self._deadlines:
+            deadline, _, kind, what = self._deadlines[0]
+            if kind == "ready" and self._waiting.get(what.seq) is what:  # type: ignore[union-attr]
+                return deadline
+            if kind == "request":
+                req = self.requests.get(str(what))
+                if req is not None and req.status.state == "registered":
+                    return deadline
+            heapq.heappop(self._deadlines)  # settled since it was pushed
+        return None
+
+    # ----------------------------------------------------------------- failure evidence
+    def _remember_failure(self, ext_req_id: str, error: str) -> None:
+        """R5: a request failed before vLLM registered it must fail on registration. The
+        exact table is bounded; beyond it the id goes into a fixed-size hashed set, which
+        may fail an innocent request later but never lets a failed one succeed."""
+        if ext_req_id in self._failed_unregistered:
+            return
+        if len(self._failed_unregistered) < self.limits.early_failures:
+            self._failed_unregistered[ext_req_id] = error
+            return
+        self._overflowed += 1
+        for bit in _overflow_bits(ext_req_id):
+            self._failed_overflow[bit >> 3] |= 1 << (bit & 7)
+
+    def _maybe_failed(self, ext_req_id: str) -> bool:
+        if not self._overflowed:
+            return False
+        return all(self._failed_overflow[bit >> 3] & (1 << (bit & 7))
+                   for bit in _overflow_bits(ext_req_id))
 
     def connection_lost(self, peer: str) -> None:
         """A Prefill connection went away: its next READY needs a new MF_META (W1)."""
         self.connections.pop(peer, None)
+        self._last_seen.pop(peer, None)
+
+
+_OVERFLOW_BITS = 1 << 20
+
+
+def _overflow_bits(ext_req_id: str) -> tuple[int, int]:
+    data = ext_req_id.encode("utf-8", "surrogatepass")
+    return (zlib.crc32(data) % _OVERFLOW_BITS,
+            zlib.crc32(data, 0x9E3779B9) % _OVERFLOW_BITS)
 
 
 def _remember(table: dict, key: str, value: object, limit: int) -> None:
