@@ -27,6 +27,7 @@ import itertools
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -519,6 +520,64 @@ class PrefillWorker(_Worker):
 
 
 @dataclass
+class _ReadLanes:
+    """Transfer-engine reads off the reader thread: one lane (a thread with a FIFO) per
+    Prefill session, so a peer whose registry or memory is slow delays only its own reads,
+    never another peer's frames or reads. A lane idle for ``idle_s`` ends; with ``max_lanes``
+    lanes busy, further sessions share lanes by hash (still never the reader thread)."""
+
+    def __init__(self, read: Callable[[IssueRead], int],
+                 done: Callable[[IssueRead, int], None], name: str, *,
+                 max_lanes: int = 16, idle_s: float = 30.0) -> None:
+        self._read, self._done, self._name = read, done, name
+        self._max, self._idle = max_lanes, idle_s
+        self._lock = threading.Lock()
+        self._lanes: dict[str, tuple[queue.SimpleQueue, threading.Thread]] = {}
+        self._closed = False
+
+    def submit(self, action: IssueRead) -> None:
+        with self._lock:
+            if self._closed:
+                raise ControlPlaneError(f"{self._name}: read lanes are closed")
+            lane = self._lanes.get(action.session)
+            if lane is None and len(self._lanes) >= self._max:
+                keys = sorted(self._lanes)
+                lane = self._lanes[keys[hash(action.session) % len(keys)]]
+            if lane is None:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                t = threading.Thread(target=self._run, args=(action.session, q),
+                                     name=f"{self._name}-read-{len(self._lanes)}", daemon=True)
+                lane = self._lanes[action.session] = (q, t)
+                t.start()
+            lane[0].put(action)
+
+    def _run(self, session: str, q: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                action = q.get(timeout=self._idle)
+            except queue.Empty:
+                with self._lock:
+                    if q.empty():  # nothing was queued since: retire the lane
+                        self._lanes.pop(session, None)
+                        return
+                continue
+            if action is None:
+                return
+            self._done(action, self._read(action))
+
+    def close(self, timeout: float) -> bool:
+        """Let queued reads finish and stop every lane; False if one is still busy."""
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+        for q, _ in lanes:
+            q.put(None)
+        deadline = time.monotonic() + timeout
+        for _, t in lanes:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for _, t in lanes)
+
+
 class DecodeStats:
     frames_received: int = 0
     bad_framing: int = 0  # multipart messages that are not identity + one payload
@@ -596,6 +655,8 @@ class DecodeWorker(_Worker):
         if tracer is not None:
             tracer.info(endpoint=self.endpoint)
         self._what = f"decode {core.d_rank} reader thread"
+        self._results: deque[tuple[IssueRead, int]] = deque()
+        self._lanes = _ReadLanes(self._read, self._read_done, f"decode{core.d_rank}")
         self._start(f"decode{core.d_rank}-reader")
 
     # ------------------------------------------------------------------ other threads
@@ -648,6 +709,9 @@ class DecodeWorker(_Worker):
                         return
                     pending = list(self._actions)
                     self._actions.clear()
+                    for a, result in self._results:  # reads the lanes finished
+                        pending += self.core.read_result(a.read_id, result, self._clock())
+                    self._results.clear()
                     deadline = self.core.next_deadline()
                 timeout = 0 if pending else _poll_ms(deadline, self._clock())
                 self._execute(pending)
@@ -699,19 +763,29 @@ class DecodeWorker(_Worker):
                 continue
             self._execute(actions)
 
+    def _read_done(self, action: IssueRead, result: int) -> None:
+        """On a lane: hand the result to the reader thread, which owns core and socket."""
+        with self._cond:
+            self._results.append((action, result))
+        self._wake.ring()
+
     def _execute(self, actions: Sequence[Action]) -> None:
-        queue: deque[Action] = deque(actions)
-        while queue:
-            a = queue.popleft()
+        for a in actions:
             if isinstance(a, Send):
                 self._send(a)
             elif isinstance(a, IssueRead):
-                result = self._read(a)
-                with self._cond:
-                    more = self.core.read_result(a.read_id, result, self._clock())
-                queue.extendleft(reversed(more))  # the read's reply goes out first
+                self._lanes.submit(a)  # its result comes back through _read_done
             else:
                 self._callback(a)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the lanes (queued reads finish, bounded by ``timeout``), then the reader."""
+        deadline = time.monotonic() + timeout
+        lanes_done = self._lanes.close(timeout)
+        super().close(max(0.1, deadline - time.monotonic()))
+        if not lanes_done:
+            raise ControlPlaneError(f"decode {self.core.d_rank}: a transfer-engine read did "
+                                    f"not finish within {timeout}s")
 
     def _send(self, a: Send) -> None:
         if self._tracer is not None:
@@ -737,12 +811,14 @@ class DecodeWorker(_Worker):
         except Exception:  # noqa: BLE001 - an engine must not raise; if it does, F2
             log.exception("decode rank %d: transfer engine raised", self.core.d_rank)
             result = int(TransferResult.BACKEND)
-        self.stats.read_seconds += time.perf_counter() - t0
-        if result == 0:
-            self.stats.reads += 1
-            self.stats.bytes_read += plan.total_bytes
-        else:
-            self.stats.failed_reads += 1
+        with self._cond:  # lanes run concurrently
+            self.stats.read_seconds += time.perf_counter() - t0
+            if result == 0:
+                self.stats.reads += 1
+                self.stats.bytes_read += plan.total_bytes
+            else:
+                self.stats.failed_reads += 1
+        if result != 0:
             log.warning("decode rank %d: batched read from %s failed (%d): %s",
                         self.core.d_rank, a.session, result,
                         getattr(self.engine, "last_error", ""))

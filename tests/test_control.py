@@ -621,3 +621,43 @@ def test_agreement_loop_cadence_and_merge() -> None:
     assert worker.applied == [("a", False), ("b", True)]
     assert loop.agreed == {"a": False, "b": True}
     assert calls[-1][1] == {"b": True}
+
+
+def test_a_slow_registry_stalls_only_its_own_peer(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """No peer can stall another: a hostile Prefill whose registry accepts and never answers
+    holds up its own read, not a legitimate peer's round trip (reads run on lanes)."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    core = DecodeCore(0, 1, d.layouts)
+    dw = DecodeWorker(core, de, 0)
+    dw.register_request("slow", [1], [1])
+    dw.register_request("fast", [2], [2])
+    ctx = zmq.Context()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    hostile = _dealer(ctx, dw.port, b"hostile")
+    legit = _dealer(ctx, dw.port, b"legit")
+    try:
+        hostile.send(wire.encode(wire.MfMeta(f"127.0.0.1:{silent.getsockname()[1]}",
+                                             p.layers, wire.PROTOCOL_VERSION)))
+        legit.send(wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION)))
+        for sock in (hostile, legit):
+            assert wire.decode_meta_reply(_recv(sock)).accepted
+        ready = wire.ReadReadyBatch(0, "l0", (wire.ReadReq("slow", (3,), (3,)),), ("slow",))
+        hostile.send(wire.encode(ready))
+        t0 = time.monotonic()
+        legit.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("fast", (4,), (4,)),),
+                                                   ("fast",))))
+        assert isinstance(wire.decode(_recv(legit)), wire.ReadDone)
+        legit_rtt = time.monotonic() - t0
+        reply = wire.decode(_recv(hostile))  # the engine gives up after its 5 s bound
+        hostile_wait = time.monotonic() - t0
+        assert isinstance(reply, wire.ReadFailed)  # F2: the stalled read failed, answered
+        assert legit_rtt < 1.0 < hostile_wait, (legit_rtt, hostile_wait)
+    finally:
+        for sock in (hostile, legit):
+            sock.close()
+        silent.close()
+        dw.close()
+        ctx.term()

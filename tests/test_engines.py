@@ -601,10 +601,11 @@ def test_probe_cli_two_endpoints_through_a_rendezvous_file(
               "--timeout", "30"]
     prefill = subprocess.Popen(
         [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill", "--bytes", "3M",
-         *common],
+         "--json", *common],
         stdout=subprocess.PIPE, text=True)
     try:
-        args = cli.parse_args(["probe", "--role", "decode", "--block-bytes", "256K", *common])
+        args = cli.parse_args(["probe", "--role", "decode", "--block-bytes", "256K", "--json",
+                               *common])
         assert args.func is cmd_probe
         assert args.func(args) == 0
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -619,3 +620,86 @@ def test_probe_cli_two_endpoints_through_a_rendezvous_file(
         if prefill.poll() is None:
             prefill.kill()
             prefill.wait()
+
+
+# --------------------------------------------------------------------------- hostile registry
+
+
+def _forger_main(conn: Any, genuine_session: str, claim_pid: int) -> None:
+    """A registry that answers for another process: it copies a genuine answer and claims
+    ``claim_pid`` with every address below 2**47 registered (issue: arbitrary memory read)."""
+    host, port = genuine_session.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        host_mod._send_frame(s, {"op": "describe", "v": host_mod._WIRE_VERSION})
+        reply = host_mod._recv_frame(s)
+    reply.update(pid=claim_pid, start=host_mod._proc_start_time(claim_pid),
+                 addrs=[4096], lens=[(1 << 47) - 4096])
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(listener.getsockname()[1])
+        listener.settimeout(30)
+        while not conn.poll(0):
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                break
+            with client:
+                host_mod._recv_frame(client)
+                host_mod._send_frame(client, reply)
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode itself"])
+def test_a_forged_registry_cannot_make_decode_read_unregistered_memory(
+        cma_peer: Peer, reader: HostEngine, victim: str) -> None:
+    """A registry must prove it speaks for the pid it names (kernel-verified socket owner);
+    otherwise nothing is read and the destination stays as it was."""
+    secret = np.frombuffer(b"unregistered secret " * 50, dtype=np.uint8).copy()
+    claim = cma_peer.pid if victim == "prefill" else os.getpid()
+    target = cma_peer.regions["tensor"][0] - 8192 if victim == "prefill" \
+        else int(secret.ctypes.data)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    forger = ctx.Process(target=_forger_main, args=(child, cma_peer.session, claim), daemon=True)
+    forger.start()
+    try:
+        assert conn.poll(PEER_START_S)
+        session = f"127.0.0.1:{conn.recv()}"
+        dst, base = _dest(reader, 1000)
+        t0 = time.monotonic()
+        ret = reader.batch_transfer_sync_read(session, [base], [target], [1000])
+        assert ret == TransferResult.PEER_UNREACHABLE
+        assert time.monotonic() - t0 < 5.0
+        assert (dst == SENTINEL).all()
+    finally:
+        conn.send("stop")
+        forger.join(10)
+        if forger.is_alive():
+            forger.kill()
+
+
+def test_registry_answers_only_readers_on_this_host() -> None:
+    class Remote:
+        def getpeername(self) -> tuple[str, int]:
+            return ("10.1.2.3", 5555)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("10.9.9.9", 4000)
+
+    assert not host_mod._is_local_client(Remote())  # type: ignore[arg-type]
+    with socket.create_server(("127.0.0.1", 0)) as srv, \
+            socket.create_connection(srv.getsockname()) as c:
+        conn, _ = srv.accept()
+        with conn:
+            assert host_mod._is_local_client(conn)
+            # The kernel names this test process as the holder of the accepted socket.
+            inode = host_mod._server_socket_inode(c)
+            assert inode is not None and host_mod._holds_socket(os.getpid(), inode)
+            assert not host_mod._holds_socket(os.getppid(), inode)
+
+
+def test_ptracer_is_narrow_unless_asked() -> None:
+    """Yama scope 1: the owner names one ancestor of its readers, not every process."""
+    assert host_mod.ptracer_pid("parent") == os.getppid()
+    assert host_mod.ptracer_pid(" 1234 ") == 1234
+    assert host_mod.ptracer_pid("any") == host_mod._PR_SET_PTRACER_ANY
+    with pytest.raises(EngineConfigError, match="SFA_RD2H_PTRACER"):
+        host_mod.ptracer_pid("everyone")

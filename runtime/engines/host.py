@@ -37,6 +37,7 @@ import selectors
 import socket
 import struct
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ _SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^sfa_rd2h\.[0-9]+\.[0-9a-f]+\.(ctl|[0-9]+)$")
 _MAX_FRAME = 64 << 20
 _WIRE_VERSION = 1
+_MAX_LINGERING = 64  # answered registry connections kept open for their reader to verify
 _CAP_SYS_PTRACE = 19
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
@@ -88,6 +90,23 @@ if _process_vm_readv is not None:
 
 
 # --------------------------------------------------------------------------- host facts
+
+
+def ptracer_pid(setting: str | None = None) -> int:
+    """The pid to declare with PR_SET_PTRACER under Yama scope 1: it and its descendants may
+    read this process. ``SFA_RD2H_PTRACER`` (or ``setting``) is "parent" (the default: the
+    launcher whose children are the readers), a pid (a common ancestor of Prefill and
+    Decode), or "any" (every process of this user: the old, wide behaviour)."""
+    value = (setting if setting is not None else os.environ.get("SFA_RD2H_PTRACER", "parent"))
+    value = value.strip().lower()
+    if value == "parent":
+        return os.getppid()
+    if value == "any":
+        return _PR_SET_PTRACER_ANY
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise EngineConfigError(
+        f"SFA_RD2H_PTRACER must be 'parent', 'any' or a pid, not {value!r}")
 
 
 def _ptrace_scope() -> int | None:
@@ -135,6 +154,68 @@ def _host_identity() -> tuple[str, int]:
     return boot, pidns
 
 
+def _kernel_addr(addr: tuple) -> str:
+    """``(ip, port, ...)`` as /proc/net/tcp{,6} writes it: the address in host byte order per
+    32-bit word, then the port, both in upper-case hex."""
+    ip, port = addr[0], int(addr[1])
+    if ":" in ip:
+        raw = socket.inet_pton(socket.AF_INET6, ip)
+        words = struct.unpack("=4I", raw)
+        return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+    (word,) = struct.unpack("=I", socket.inet_aton(ip))
+    return f"{word:08X}:{port:04X}"
+
+
+def _server_socket_inode(client: socket.socket) -> int | None:
+    """The inode of the socket at the other end of ``client``'s TCP connection, if that end
+    lives on this host (in this network namespace); None otherwise."""
+    try:
+        mine, theirs = client.getsockname(), client.getpeername()
+    except OSError:
+        return None
+    want = (_kernel_addr(theirs), _kernel_addr(mine))
+    for table in ("/proc/net/tcp6" if ":" in mine[0] else "/proc/net/tcp",):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and (fields[1], fields[2]) == want:
+                        return int(fields[9])
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _holds_socket(pid: int, inode: int) -> bool:
+    """Whether process ``pid`` has the socket ``inode`` open (kernel-verified ownership)."""
+    target = f"socket:[{inode}]"
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        return False
+    return False
+
+
+def _is_local_client(conn: socket.socket) -> bool:
+    """A registry answers only readers on this host: the host engine never reads remotely,
+    and the answer (pid, addresses) is nobody else's business."""
+    try:
+        peer, mine = conn.getpeername()[0], conn.getsockname()[0]
+    except OSError:
+        return False
+    if peer.startswith("::ffff:"):
+        peer = peer[7:]
+    if mine.startswith("::ffff:"):
+        mine = mine[7:]
+    return peer == mine or peer in ("::1",) or peer.startswith("127.")
+
+
 def _readv(pid: int, local_iov: int, remote_iov: int, count: int) -> tuple[int, int]:
     assert _process_vm_readv is not None
     got = _process_vm_readv(pid, local_iov, count, remote_iov, count, 0)
@@ -169,7 +250,8 @@ def cma_status() -> tuple[bool, str]:
     if scope == 1:
         if cap:
             return True, "yama ptrace_scope=1 and CAP_SYS_PTRACE"
-        return True, "yama ptrace_scope=1: each owner allows readers with PR_SET_PTRACER_ANY"
+        return True, ("yama ptrace_scope=1: each owner names the process whose descendants may "
+                      "read it (PR_SET_PTRACER, see SFA_RD2H_PTRACER)")
     if scope == 2:
         if cap:
             return True, "yama ptrace_scope=2 and CAP_SYS_PTRACE"
@@ -286,32 +368,63 @@ class _RegistryServer:
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            for key, _ in self._sel.select():
-                if key.data == "wake":
-                    return
-                try:
-                    conn, _ = self._listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    return
-                with conn:
-                    self._serve(conn)
+        # A served connection stays open until its reader closes it (or a short deadline
+        # passes), so the reader can check in /proc that this process holds the socket
+        # that answered; the selector watches those connections without blocking others.
+        lingering: dict[socket.socket, float] = {}
+        try:
+            while True:
+                now = time.monotonic()
+                for conn in [c for c, t in lingering.items() if t <= now]:
+                    self._drop(conn, lingering)
+                timeout = min(lingering.values(), default=now + 3600.0) - now
+                for key, _ in self._sel.select(max(timeout, 0.0)):
+                    if key.data == "wake":
+                        return
+                    if key.data == "linger":
+                        self._drop(key.fileobj, lingering)  # type: ignore[arg-type]
+                        continue
+                    try:
+                        conn, _ = self._listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError:
+                        return
+                    if self._serve(conn) and len(lingering) < _MAX_LINGERING:
+                        lingering[conn] = time.monotonic() + self._io_timeout
+                        self._sel.register(conn, selectors.EVENT_READ, "linger")
+                    else:
+                        conn.close()
+        finally:
+            for conn in list(lingering):
+                self._drop(conn, lingering)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _drop(self, conn: socket.socket, lingering: dict[socket.socket, float]) -> None:
+        lingering.pop(conn, None)
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _serve(self, conn: socket.socket) -> bool:
+        """Answer one query; True when the answer went out (the reader may now verify)."""
         conn.settimeout(self._io_timeout)
         try:
             req = _recv_frame(conn)
-            if isinstance(req, dict) and req.get("op") == "describe":
+            if not _is_local_client(conn):
+                reply = {"error": "the host engine serves readers on this host only"}
+            elif isinstance(req, dict) and req.get("op") == "describe":
                 reply = self._describe()
             else:
                 reply = {"error": "unknown request; expected {'op': 'describe'}"}
             _send_frame(conn, reply)
+            return True
         except (OSError, ValueError, msgpack.UnpackException) as exc:
             log.debug("registry client dropped: %s", exc)
         except Exception:  # a bug here must not kill the registry for every other reader
             log.exception("registry failed to answer a client")
+        return False
 
     def stop(self, timeout: float) -> bool:
         try:
@@ -465,9 +578,10 @@ class HostEngine(TransferEngine):
                 f"host engine already serves {self._session}; cannot also serve {host}:{port}"
             )
         if self.mode == "cma" and _ptrace_scope() == 1 and not _has_cap_sys_ptrace():
-            # Yama scope 1 only lets ancestors read us; readers are siblings, so name them all,
-            # the way Open MPI's CMA transport does. Without this every read gets EPERM.
-            _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+            # Yama scope 1 only lets ancestors read us and readers are siblings, so name the
+            # one process whose descendants may read: by default our parent (the launcher of
+            # the ranks), never "any process" unless the operator asks for it.
+            _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(ptracer_pid()), 0, 0, 0)
         try:
             self._server = _RegistryServer(
                 host, int(port), self._describe, io_timeout=min(self._timeout, 2.0)
@@ -552,12 +666,44 @@ class HostEngine(TransferEngine):
                 sock.settimeout(self._timeout)
                 _send_frame(sock, {"op": "describe", "v": _WIRE_VERSION})
                 reply = _recv_frame(sock)
+                # Verified while the connection is open: the registry keeps its end until
+                # we close ours, so the socket it answered on is still in its fd table.
+                refused = self._unproven(reply, _server_socket_inode(sock))
         except (OSError, ValueError, msgpack.UnpackException) as exc:
             return TransferResult.PEER_UNREACHABLE, f"no registry answers at {session}: {exc}"
         try:
+            if refused:
+                log.warning("host engine refuses %s: %s", session, refused)
+                return TransferResult.PEER_UNREACHABLE, f"registry at {session} refused: {refused}"
             return self._view_from(reply, session)
         except (KeyError, TypeError, ValueError, OverflowError, OSError) as exc:
             return TransferResult.PEER_UNREACHABLE, f"unusable registry reply from {session}: {exc}"
+
+    def _unproven(self, reply: Any, server_inode: int | None) -> str | None:
+        """Why a registry's answer cannot be believed, or None when it speaks for itself.
+
+        A registry names the process whose memory will be read and the ranges it registered;
+        believing any answer would let whoever answers at a session make this process copy
+        any memory it can reach (another process's heap, or its own). So the answer must
+        come from that very process: its registry socket is on this host and, where pids are
+        shared, held by the pid it names; its shm segments carry that pid in their names.
+        """
+        if not isinstance(reply, dict) or "pid" not in reply:
+            return None  # malformed answers are refused by _view_from, naming the problem
+        if server_inode is None:
+            return "its socket is not on this host"
+        pid = reply["pid"]
+        if type(pid) is not int or pid <= 0:
+            return f"it names no valid pid ({pid!r})"
+        if reply.get("pidns") == _host_identity()[1] and not _holds_socket(pid, server_inode):
+            return f"pid {pid} does not hold the registry socket that answered"
+        prefix = f"sfa_rd2h.{pid}."
+        names = [str(reply.get("ctl", ""))] + [str(seg[0]) for seg in reply.get("shm") or ()
+                                                if isinstance(seg, list | tuple) and seg]
+        stray = [n for n in names if not n.startswith(prefix)]
+        if stray:
+            return f"segments {stray[:3]} are not pid {pid}'s"
+        return None
 
     def _view_from(self, reply: Any, session: str) -> _PeerView | tuple[TransferResult, str]:
         if not isinstance(reply, dict) or reply.get("v") != _WIRE_VERSION:
