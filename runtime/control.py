@@ -57,6 +57,32 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 _RECV_BATCH = 64  # frames taken per readable event before timers and queued work run again
+RTT_SAMPLES = 65536  # round-trip samples a Prefill worker keeps (the latest)
+RTT_SAMPLES_PER_LAYER = 4096
+REPLY_MAX_BYTES = 1 << 20  # replies and acks are small; a bigger frame drops the connection
+_WARN_EVERY_S = 10.0  # one warning per kind per this many seconds, with the count suppressed
+
+
+class _Throttled:
+    """Warnings a peer can provoke, at most one per kind every ``_WARN_EVERY_S`` seconds, so
+    a flood of bad frames cannot flood the log (the stats still count every frame)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warn(self, kind: str, msg: str, *args: Any) -> bool:
+        """Log unless ``kind`` was logged recently; True when it was logged."""
+        now = time.monotonic()
+        last, suppressed = self._last.get(kind, (-math.inf, 0))
+        if now - last < _WARN_EVERY_S:
+            self._last[kind] = (last, suppressed + 1)
+            return False
+        self._last[kind] = (now, 0)
+        if suppressed:
+            msg += " (%d more like it suppressed)"
+            args = (*args, suppressed)
+        log.warning(msg, *args)
+        return True
 
 
 class ControlPlaneError(RuntimeError):
@@ -139,8 +165,9 @@ class PrefillStats:
     frames_received: int = 0
     rejected_frames: int = 0  # replies the core refused (ProtocolError) or bad framing
     peers_lost: int = 0
-    round_trips: list[float] = field(default_factory=list)  # seconds, READY sent -> reply
-    rtt_by_layer: dict[int, list[float]] = field(default_factory=dict)
+    # seconds, READY sent -> reply: the latest samples only, so a long run stays bounded
+    round_trips: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
+    rtt_by_layer: dict[int, deque[float]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -215,6 +242,7 @@ class PrefillWorker(_Worker):
         self.core = core
         self.stats = PrefillStats()
         self._tracer = tracer
+        self._warn = _Throttled()
         self._clock = clock
         self._cond = threading.Condition()
         self._tasks: deque[tuple[int, Any]] = deque()
@@ -401,6 +429,7 @@ class PrefillWorker(_Worker):
         identity = f"p{self.core.p_rank}.{os.getpid()}.{next(self._seq)}".encode()
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)  # a hostile Decode cannot bloat us
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sock.connect(f"tcp://{endpoint}")
@@ -479,8 +508,8 @@ class PrefillWorker(_Worker):
             payload = [f for f in frames if f]
             if len(payload) != 1:
                 self.stats.rejected_frames += 1
-                log.warning("prefill rank %d: %d non-empty frames from %s, expected 1",
-                            self.core.p_rank, len(payload), endpoint)
+                self._warn.warn("framing", "prefill rank %d: %d non-empty frames from %s, "
+                                "expected 1", self.core.p_rank, len(payload), endpoint)
                 continue
             frame = payload[0]
             if self._tracer is not None:
@@ -491,7 +520,8 @@ class PrefillWorker(_Worker):
                 if sent is not None:
                     rtt = now - sent
                     self.stats.round_trips.append(rtt)
-                    self.stats.rtt_by_layer.setdefault(layer, []).append(rtt)
+                    self.stats.rtt_by_layer.setdefault(
+                        layer, deque(maxlen=RTT_SAMPLES_PER_LAYER)).append(rtt)
             try:
                 with self._cond:
                     actions = self.core.on_frame(endpoint, frame, now)
@@ -499,8 +529,8 @@ class PrefillWorker(_Worker):
             except ProtocolError as exc:
                 # The core changed nothing; the reply timeout covers a lost acknowledgement.
                 self.stats.rejected_frames += 1
-                log.warning("prefill rank %d: rejected frame from %s: %s",
-                            self.core.p_rank, endpoint, exc)
+                self._warn.warn("rejected", "prefill rank %d: rejected frame from %s: %s",
+                                self.core.p_rank, endpoint, exc)
                 continue
             self._execute(actions)
 
@@ -620,6 +650,7 @@ class DecodeWorker(_Worker):
         self.engine = engine
         self.stats = DecodeStats()
         self._tracer = tracer
+        self._warn = _Throttled()
         self._on_ready = on_ready
         self._on_finished = on_finished
         self._clock = clock
@@ -746,8 +777,9 @@ class DecodeWorker(_Worker):
                 identity, payload = wire.split_router_frames(frames)
             except WireError as exc:
                 self.stats.bad_framing += 1
-                log.warning("decode rank %d: dropped a message: %s", self.core.d_rank, exc)
-                if self._tracer is not None:
+                logged = self._warn.warn("framing", "decode rank %d: dropped a message: %s",
+                                         self.core.d_rank, exc)
+                if logged and self._tracer is not None:
                     self._tracer.info(event="bad_framing", error=str(exc)[:200])
                 continue
             peer = identity.hex()
@@ -758,8 +790,8 @@ class DecodeWorker(_Worker):
                     actions = self.core.on_frame(peer, payload, self._clock())
             except ProtocolError as exc:
                 self.stats.rejected_frames += 1
-                log.warning("decode rank %d: rejected frame from %s: %s",
-                            self.core.d_rank, peer, exc)
+                self._warn.warn("rejected", "decode rank %d: rejected frame from %s: %s",
+                                self.core.d_rank, peer, exc)
                 continue
             self._execute(actions)
 

@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import math
+import socket
 import threading
 import time
 import urllib.error
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1024 * 1024
 MAX_POLL_S = 30.0  # a long poll never holds a handler thread longer than this
+MAX_HANDLERS = 64  # concurrent client connections; more are answered 503 at once
+IO_TIMEOUT_S = 5.0  # one socket read or write of a client
+REQUEST_DEADLINE_S = 10.0  # a whole request beyond its long poll, however slowly it dribbles
 MAX_HOST_LEN = 255
 ROLES = ("prefill", "decode")
 
@@ -378,18 +382,68 @@ def _num_tokens(prompt: str) -> int:
 
 
 class _Server(ThreadingHTTPServer):
-    daemon_threads = False  # server_close() joins handler threads (bounded, see Handler)
-    block_on_close = True
+    """The HTTP server with every client bounded: at most ``MAX_HANDLERS`` at once, each
+    connection cut once its deadline passes (a client dribbling a byte per socket timeout
+    cannot hold a thread), and ``abort_clients`` cuts them all so close() is bounded."""
+
+    daemon_threads = True  # close() cuts every client first; nothing keeps the process alive
+    block_on_close = False
+    request_queue_size = 128  # listen backlog
 
     def __init__(self, addr: tuple[str, int], proxy: ProxyServer) -> None:
         self.proxy = proxy
+        self._clients: dict[socket.socket, float] = {}
+        self._clients_lock = threading.Lock()
         super().__init__(addr, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        deadline = time.monotonic() + self.proxy.max_poll_s + self.proxy.request_deadline
+        with self._clients_lock:
+            busy = len(self._clients) >= self.proxy.max_handlers
+            if not busy:
+                self._clients[request] = deadline
+        if busy:
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._clients_lock:
+            self._clients.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Runs between polls of serve_forever: cut clients past their deadline."""
+        now = time.monotonic()
+        with self._clients_lock:
+            late = [s for s, t in self._clients.items() if t <= now]
+        for sock in late:
+            _cut(sock)
+
+    def abort_clients(self) -> None:
+        with self._clients_lock:
+            clients = list(self._clients)
+        for sock in clients:
+            _cut(sock)
+
+
+def _cut(sock: socket.socket) -> None:
+    """Make a handler's blocked read or write return at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Handler(BaseHTTPRequestHandler):
-    # A socket timeout bounds how long a slow or silent client can hold a handler thread,
-    # which in turn bounds how long ProxyServer.close() waits for it.
-    timeout = 5.0
+    # A socket timeout bounds each read or write of a slow or silent client; the server's
+    # per-request deadline bounds the whole request.
+    timeout = IO_TIMEOUT_S
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -496,9 +550,14 @@ class ProxyServer:
         advertise_host: str | None = None,
         max_body: int = MAX_BODY_BYTES,
         max_poll_s: float = MAX_POLL_S,
+        max_handlers: int = MAX_HANDLERS,
+        request_deadline: float = REQUEST_DEADLINE_S,
     ) -> None:
-        if max_body <= 0 or max_poll_s < 0:
-            raise ValueError("max_body must be > 0 and max_poll_s >= 0")
+        if max_body <= 0 or max_poll_s < 0 or max_handlers < 1 or request_deadline <= 0:
+            raise ValueError("max_body, max_handlers and request_deadline must be > 0 and "
+                             "max_poll_s >= 0")
+        self.max_handlers = max_handlers
+        self.request_deadline = request_deadline
         self._bind = (host, port)
         self._advertise_host = advertise_host
         self.max_body = max_body
@@ -555,15 +614,13 @@ class ProxyServer:
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return
+        deadline = time.monotonic() + timeout
+        server.abort_clients()  # long polls are woken; slow clients are cut, not waited for
         server.shutdown()
-        thread.join(timeout)
-        # Joins handler threads; each is bounded by the handler socket timeout, and no long
-        # poll is waiting any more.
-        closer = threading.Thread(target=server.server_close, name="metaserver-close")
-        closer.start()
-        closer.join(timeout)
-        if thread.is_alive() or closer.is_alive():
-            log.error("metaserver: threads still alive %.1fs after close", timeout)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        server.server_close()
+        if thread.is_alive():
+            log.error("metaserver: serving thread still alive %.1fs after close", timeout)
 
     def __enter__(self) -> ProxyServer:
         if self._server is None:

@@ -661,3 +661,34 @@ def test_a_slow_registry_stalls_only_its_own_peer(
         silent.close()
         dw.close()
         ctx.term()
+
+
+def test_a_flood_of_bad_frames_is_counted_but_not_logged_per_frame(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """A peer must not be able to flood the log: one warning per kind per interval."""
+    _, de = engines
+    d = make_decode(de, 1)
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0)
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"flood")
+    try:
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            for _ in range(500):
+                sock.send_multipart([b"one", b"two"])  # bad framing, no reply possible
+            sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", {}, wire.PROTOCOL_VERSION)))
+            _recv(sock)  # FIFO: every bad frame before it has been handled
+        assert dw.stats.bad_framing == 500
+        warnings = [r for r in caplog.records if "dropped a message" in r.getMessage()]
+        assert 1 <= len(warnings) <= 2
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+
+
+def test_round_trip_samples_are_bounded() -> None:
+    from sfa_rd2h.runtime.control import RTT_SAMPLES, PrefillStats
+
+    stats = PrefillStats()
+    stats.round_trips.extend(range(RTT_SAMPLES + 10))
+    assert len(stats.round_trips) == RTT_SAMPLES and stats.round_trips[0] == 10

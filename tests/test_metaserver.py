@@ -8,7 +8,9 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -459,3 +461,63 @@ def test_post_rendezvous_rejects_bad_arguments() -> None:
         post_rendezvous("http://127.0.0.1:1/", {"request_id": "r"})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="retries"):
         post_rendezvous("http://127.0.0.1:1/", _rdv("r-0"), retries=-1)
+
+
+def _dribble(url: str, stop: threading.Event, connected: threading.Event | None = None) -> None:
+    """A client that sends a request one byte at a time, just inside the socket timeout."""
+    host, port = urllib.parse.urlsplit(url).netloc.rsplit(":", 1)
+    body = b'{"request_id": "x"}'
+    head = (f"POST /v1/metaserver HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+            .encode())
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            if connected is not None:
+                connected.set()
+            for b in head + body:
+                if stop.wait(0.3):
+                    return
+                s.sendall(bytes([b]))
+    except OSError:
+        pass  # cut by the server: what the test wants
+
+
+def test_a_dribbling_client_cannot_hold_the_proxy_past_close_or_its_deadline() -> None:
+    """Issue: a slow client kept the demo alive 131 s; every request now has a deadline and
+    close() cuts clients instead of waiting for them."""
+    proxy = ProxyServer(request_deadline=1.0, max_poll_s=0.0)
+    url = proxy.start()
+    stop = threading.Event()
+    t = threading.Thread(target=_dribble, args=(url, stop), daemon=True)
+    t.start()
+    t.join(6.0)  # the request deadline (1 s) cuts it long before it finishes (~12 s)
+    assert not t.is_alive(), "the server did not cut a request past its deadline"
+    connected = threading.Event()
+    t2 = threading.Thread(target=_dribble, args=(url, stop, connected), daemon=True)
+    t2.start()
+    assert connected.wait(5.0)
+    t0 = time.monotonic()
+    proxy.close(timeout=5.0)
+    assert time.monotonic() - t0 < 2.0
+    t2.join(5.0)
+    stop.set()
+    assert not t2.is_alive()
+
+
+def test_handlers_are_bounded_and_the_rest_get_503() -> None:
+    with ProxyServer(max_handlers=2, max_poll_s=5.0) as proxy:
+        held = [socket.create_connection(urllib.parse.urlsplit(proxy.url).netloc.rsplit(":", 1))
+                for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 5
+            status = None
+            while time.monotonic() < deadline:  # the two held connections are accepted
+                try:
+                    urllib.request.urlopen(f"{proxy.url}/v1/status/none", timeout=2)
+                except urllib.error.HTTPError as exc:
+                    status = exc.code
+                if status == 503:
+                    break
+            assert status == 503
+        finally:
+            for s in held:
+                s.close()
