@@ -38,12 +38,13 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sfa_rd2h.runtime.engines.base import TransferEngine, TransferResult
+from sfa_rd2h.runtime.engines.base import TransferEngine
 from sfa_rd2h.runtime.tp_group import TpGroup
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError, WireError
 from sfa_rd2h.statemachines.cores.actions import (
     Action,
+    Disconnect,
     IssueRead,
     RequestFinished,
     RequestReady,
@@ -413,16 +414,9 @@ class PrefillWorker(_Worker):
             deadline = self.core.next_deadline()
             if deadline is None or now < deadline:
                 return
-            before = {ep: e.session.state for ep, e in self.core.endpoints.items()}
-            self.core.tick(now)
-            dropped = [ep for ep, st in before.items() if st != "disconnected"
-                       and self.core.endpoints[ep].session.state == "disconnected"]
+            actions = self.core.tick(now)
             self._cond.notify_all()
-        for endpoint in dropped:
-            # The core gave up on this peer (reply timeout): start over on a new connection
-            # so a late reply to the old publication cannot be mistaken for a new one.
-            self.stats.peers_lost += 1
-            self._drop(endpoint, "lost")
+        self._execute(actions)
 
     def _connect(self, endpoint: str) -> _Dealer:
         sock = self._ctx.socket(zmq.DEALER)
@@ -474,6 +468,12 @@ class PrefillWorker(_Worker):
     def _execute(self, actions: Sequence[Action]) -> None:
         lost: set[str] = set()
         for action in actions:
+            if isinstance(action, Disconnect):  # the core gave up on this peer (S5)
+                self.stats.peers_lost += 1
+                log.warning("prefill rank %d: %s: %s", self.core.p_rank, action.peer,
+                            action.reason)
+                self._drop(action.peer, "lost")
+                continue
             if not isinstance(action, Send):
                 raise ControlPlaneError(f"Prefill core returned {type(action).__name__}")
             if action.peer in lost:
@@ -556,8 +556,8 @@ class _ReadLanes:
     never another peer's frames or reads. A lane idle for ``idle_s`` ends; with ``max_lanes``
     lanes busy, further sessions share lanes by hash (still never the reader thread)."""
 
-    def __init__(self, read: Callable[[IssueRead], int],
-                 done: Callable[[IssueRead, int], None], name: str, *,
+    def __init__(self, read: Callable[[IssueRead], int | BaseException],
+                 done: Callable[[IssueRead, int | BaseException], None], name: str, *,
                  max_lanes: int = 16, idle_s: float = 30.0) -> None:
         self._read, self._done, self._name = read, done, name
         self._max, self._idle = max_lanes, idle_s
@@ -686,7 +686,7 @@ class DecodeWorker(_Worker):
         if tracer is not None:
             tracer.info(endpoint=self.endpoint)
         self._what = f"decode {core.d_rank} reader thread"
-        self._results: deque[tuple[IssueRead, int]] = deque()
+        self._results: deque[tuple[IssueRead, int | BaseException]] = deque()
         self._lanes = _ReadLanes(self._read, self._read_done, f"decode{core.d_rank}")
         self._start(f"decode{core.d_rank}-reader")
 
@@ -795,7 +795,7 @@ class DecodeWorker(_Worker):
                 continue
             self._execute(actions)
 
-    def _read_done(self, action: IssueRead, result: int) -> None:
+    def _read_done(self, action: IssueRead, result: int | BaseException) -> None:
         """On a lane: hand the result to the reader thread, which owns core and socket."""
         with self._cond:
             self._results.append((action, result))
@@ -834,24 +834,27 @@ class DecodeWorker(_Worker):
             with self._cond:
                 self.core.connection_lost(a.peer)
 
-    def _read(self, a: IssueRead) -> int:
+    def _read(self, a: IssueRead) -> int | BaseException:
+        """One engine call; what it returned or raised goes to the core, which decides (F2)."""
         plan = a.plan
         t0 = time.perf_counter()
+        result: int | BaseException
         try:
             result = int(self.engine.batch_transfer_sync_read(
                 a.session, plan.local_addrs, plan.peer_addrs, plan.lengths))
-        except Exception:  # noqa: BLE001 - an engine must not raise; if it does, F2
+        except Exception as exc:  # noqa: BLE001 - an engine must not raise; if it does, F2
             log.exception("decode rank %d: transfer engine raised", self.core.d_rank)
-            result = int(TransferResult.BACKEND)
+            result = exc
+        ok = isinstance(result, int) and result == 0
         with self._cond:  # lanes run concurrently
             self.stats.read_seconds += time.perf_counter() - t0
-            if result == 0:
+            if ok:
                 self.stats.reads += 1
                 self.stats.bytes_read += plan.total_bytes
             else:
                 self.stats.failed_reads += 1
-        if result != 0:
-            log.warning("decode rank %d: batched read from %s failed (%d): %s",
+        if not ok:
+            log.warning("decode rank %d: batched read from %s failed (%s): %s",
                         self.core.d_rank, a.session, result,
                         getattr(self.engine, "last_error", ""))
         return result
@@ -890,18 +893,28 @@ class AgreementLoop:
         self._on_agreed = on_agreed
         self._clock = clock
         self._cond = threading.Condition()
-        self._fresh: dict[str, bool] = {}
+        self._fresh: set[str] = set()
         self._closing = False
         self._thread: threading.Thread | None = None
 
     def notify(self, ready: RequestReady) -> None:
-        """A local outcome (the DecodeWorker's ``on_ready``). Every report goes to the group,
-        which counts a rank once per id and keeps a failure (R4): a request that looked
-        complete can still fail locally before agreement (T1 ratio conflict)."""
+        """A local outcome is ready (the DecodeWorker's ``on_ready``): join a round soon."""
         with self._cond:
-            ext = ready.ext_req_id
-            self._fresh[ext] = self._fresh.get(ext, True) and ready.ok
+            self._fresh.add(ready.ext_req_id)
             self._cond.notify_all()
+
+    def take_local(self, worker: DecodeWorker) -> dict[str, bool]:
+        """The outcomes to contribute to the next round, read from the core at round time
+        rather than from the notifications: the ``request_status`` table decides what a
+        request's local outcome is (a failure after an earlier success sticks, R4)."""
+        with self._cond:
+            fresh, self._fresh = self._fresh, set()
+        local = {}
+        for ext in sorted(fresh):
+            outcome = worker.local_outcome(ext)
+            if outcome is not None:
+                local[ext] = outcome
+        return local
 
     def start(self, worker: DecodeWorker, until: Callable[[Mapping[str, bool]], bool]) -> None:
         if self._thread is not None:
@@ -924,7 +937,7 @@ class AgreementLoop:
                         self._cond.wait(remaining)
                     if self._closing:
                         return
-                    local, self._fresh = self._fresh, {}
+                local = self.take_local(worker)
                 agreed = self.group.agree(local)  # collective: every rank, every round
                 last = self._clock()
                 self.rounds += 1

@@ -82,14 +82,18 @@ class LayerRead:
     def has_reads(self, *_: object) -> bool:
         return self.n_reads > 0
 
-    def result_ok(self, result: int, *_: object) -> bool:
-        return result == 0
+    def result_ok(self, result: int | BaseException, *_: object) -> bool:
+        # F2: only an exact 0 is success; a raised engine error or any other value fails.
+        return isinstance(result, int) and not isinstance(result, bool) and result == 0
 
     def record_error(self, error: str, *_: object) -> None:
         self.error = error
 
-    def record_result(self, result: int, *_: object) -> None:
-        self.error = f"F2: batched read returned {result}"
+    def record_result(self, result: int | BaseException, *_: object) -> None:
+        if isinstance(result, BaseException):
+            self.error = f"F2: transfer engine raised {type(result).__name__}: {result}"
+        else:
+            self.error = f"F2: batched read returned {result}"
 
 
 @dataclass(eq=False, slots=True)

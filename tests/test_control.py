@@ -597,6 +597,12 @@ def test_agreement_loop_cadence_and_merge() -> None:
 
     class Worker:
         applied: list[tuple[str, bool]] = []
+        # What the core says at round time: "a" failed after first reporting success, which
+        # the request_status table decides (the loop only asks).
+        outcomes = {"a": False, "b": True}
+
+        def local_outcome(self, ext: str) -> bool | None:
+            return self.outcomes.get(ext)
 
         def apply_agreement(self, ext: str, ok: bool) -> list[RequestFinished]:
             self.applied.append((ext, ok))

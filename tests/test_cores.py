@@ -9,7 +9,7 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.spec.topology import tp_mapping
-from sfa_rd2h.statemachines.cores.actions import IssueRead, RequestReady, Send
+from sfa_rd2h.statemachines.cores.actions import Disconnect, IssueRead, RequestReady, Send
 from sfa_rd2h.statemachines.cores.decode import DecodeCore, DecodeLimits
 from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
 
@@ -407,3 +407,34 @@ def test_cost_per_event_does_not_grow_with_waiting_readys():  # issue: bound the
     assert len(sends(d.tick(11.0))) == 19_999  # every other READY expires now, once
 
 
+
+
+def test_prefill_replaces_the_connection_of_a_peer_that_timed_out():  # S5, W1
+    p = PrefillCore(0, tp_mapping(1, 1), "10.0.0.1:1000", LAYERS, block_size=4,
+                    reply_timeout=5.0)
+    p.add_request("r1", PARAMS, [5], [1])
+    p.schedule_chunk("r1", 2, final=True)
+    p.begin_layer(0, 0.0)
+    [meta] = p.layer_landed(0, 0.0)
+    p.on_frame(meta.peer, wire.RAW_ACK, 0.0)
+    assert p.tick(4.9) == []
+    [gone] = p.tick(5.0)
+    assert gone == Disconnect(meta.peer, "no reply within 5.0s")
+    assert p.endpoints[meta.peer].session.state == "disconnected"
+
+
+def test_an_engine_that_raises_fails_the_read():  # F2
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    [read] = d.on_frame("p0", ready(done=("r1",)), 0.0)
+    [reply, *rest] = d.read_result(read.read_id, RuntimeError("device lost"), 0.0)
+    failed = wire.decode(reply.payload)
+    assert isinstance(failed, wire.ReadFailed)
+    assert failed.error == "F2: transfer engine raised RuntimeError: device lost"
+    assert d.local_outcome("r1") is False
+    # Only an exact 0 is success: True (== 1 to Python) and False (== 0) are not results.
+    d.register_request("r2", [12], [22], 0.0)
+    [read] = d.on_frame("p0", ready(reqs=(("r2", (5,), (1,), 0, 0),), done=("r2",)), 0.0)
+    [reply, *rest] = d.read_result(read.read_id, False, 0.0)  # type: ignore[arg-type]
+    assert isinstance(wire.decode(reply.payload), wire.ReadFailed)

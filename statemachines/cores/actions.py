@@ -29,6 +29,15 @@ class IssueRead:
 
 
 @dataclass(frozen=True, slots=True)
+class Disconnect:
+    """Close the connection to a Decode endpoint; the next frame for it opens a new one
+    (W1), so a late reply to an abandoned publication can never count for a new one (S5)."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class RequestReady:
     """A Decode rank reached a local terminal state for a request: gather it over TP (R1)."""
 
@@ -45,4 +54,4 @@ class RequestFinished:
     error: str | None
 
 
-Action = Send | IssueRead | RequestReady | RequestFinished
+Action = Send | IssueRead | Disconnect | RequestReady | RequestFinished

@@ -385,7 +385,7 @@ class DecodeCore:
         return plan_layer_reads(src, dst, _join(main_src), np.concatenate(main_dst),
                                 _join(idx_src), np.concatenate(idx_dst))
 
-    def _transfer_result(self, result: int) -> int:
+    def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
 
     def _must_reply(self, ready: ServedReady) -> bool:
@@ -441,8 +441,10 @@ class DecodeCore:
             self.requests[ext].inflight += 1
         return actions + [IssueRead(read_id, meta.p_session, plan)]
 
-    def read_result(self, read_id: int, result: int, now: float) -> list[Action]:
-        """The batched read ``read_id`` returned ``result`` (0 = every byte landed, F2)."""
+    def read_result(self, read_id: int, result: int | BaseException,
+                    now: float) -> list[Action]:
+        """The batched read ``read_id`` returned ``result`` (0 = every byte landed) or raised
+        it: anything but 0 fails the layer (F2)."""
         ready = self._inflight.pop(read_id, None)
         if ready is None:
             raise ProtocolError(f"C4: result for unknown read {read_id}")

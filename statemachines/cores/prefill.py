@@ -20,7 +20,7 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.params import RemoteDecode, parse_remote_decode
 from sfa_rd2h.spec.topology import TpMapping
-from sfa_rd2h.statemachines.cores.actions import Action, Send
+from sfa_rd2h.statemachines.cores.actions import Action, Disconnect, Send
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import PeerSession, SlotGate
 
@@ -332,8 +332,9 @@ class PrefillCore:
         if ep.session.state != "disconnected":
             self._sessions.fire(ep.session, "peer_lost")
 
-    def tick(self, now: float) -> None:
-        """Declare lost every endpoint that left a READY unanswered for ``reply_timeout``."""
+    def tick(self, now: float) -> list[Action]:
+        """Declare lost every endpoint that left a READY unanswered for ``reply_timeout``,
+        and have its connection replaced (S5: a late reply must not count later)."""
         late = {
             ep
             for g in self.gates.values()
@@ -341,8 +342,16 @@ class PrefillCore:
             and now - self._published_at[g.key] >= self.reply_timeout
             for ep in g.pending
         }
+        actions: list[Action] = []
         for endpoint in sorted(late):
-            self.peer_gone(endpoint, now, f"no reply within {self.reply_timeout}s")
+            reason = f"no reply within {self.reply_timeout}s"
+            self.peer_gone(endpoint, now, reason)
+            actions += self._disconnect(endpoint, reason)
+        return actions
+
+    # Hook: the model checker's seeded bugs override this, nothing else does.
+    def _disconnect(self, endpoint: str, reason: str) -> list[Action]:
+        return [Disconnect(endpoint, reason)]
 
     def next_deadline(self) -> float | None:
         times = [self._published_at[g.key] + self.reply_timeout
