@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+import zmq.auth.thread
+import zmq.utils.z85
 from zmq.utils.monitor import recv_monitor_message
 
 from sfa_rd2h.runtime.engines.base import TransferEngine
@@ -160,6 +162,44 @@ class _Wake:
 # ============================================================================ Prefill
 
 
+@dataclass(frozen=True)
+class CurveSecurity:
+    """Optional ZMQ CURVE on the control sockets (off unless given), so that on a cluster
+    network only Prefill processes holding an authorised key can talk to a Decode ROUTER
+    and Prefill knows it talks to the real Decode.
+
+    Decode uses ``public``/``secret`` as the server keypair and accepts only clients whose
+    public key is in ``allowed_clients`` (an empty set accepts any CURVE client, which still
+    encrypts and authenticates the server). Prefill uses its own ``public``/``secret`` and
+    ``server_public``, the Decode key. Keys are Z85 text as ``zmq.curve_keypair()`` makes.
+    """
+
+    public: bytes
+    secret: bytes
+    server_public: bytes = b""
+    allowed_clients: frozenset[bytes] = frozenset()
+
+    @classmethod
+    def generate(cls) -> CurveSecurity:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    def client_of(self, server_public: bytes) -> CurveSecurity:
+        return CurveSecurity(self.public, self.secret, server_public, self.allowed_clients)
+
+
+class _CurveAllowList:
+    """ZAP credentials provider: a CURVE client is let in only with an authorised key."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self._allowed = {bytes(k) for k in allowed}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if not self._allowed:
+            return True
+        return zmq.utils.z85.encode(key) in self._allowed or key in self._allowed
+
+
 @dataclass
 class PrefillStats:
     frames_sent: int = 0
@@ -239,7 +279,12 @@ class PrefillWorker(_Worker):
     """
 
     def __init__(self, core: PrefillCore, *, tracer: Tracer | None = None,
-                 context: zmq.Context | None = None, clock: Clock = time.monotonic) -> None:
+                 context: zmq.Context | None = None, clock: Clock = time.monotonic,
+                 curve: CurveSecurity | None = None) -> None:
+        if curve is not None and not curve.server_public:
+            raise ControlPlaneError("CURVE on Prefill needs the Decode public key "
+                                    "(server_public)")
+        self._curve = curve
         self.core = core
         self.stats = PrefillStats()
         self._tracer = tracer
@@ -424,6 +469,10 @@ class PrefillWorker(_Worker):
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, REPLY_MAX_BYTES)  # a hostile Decode cannot bloat us
+        if self._curve is not None:
+            sock.curve_publickey = self._curve.public
+            sock.curve_secretkey = self._curve.secret
+            sock.curve_serverkey = self._curve.server_public
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sock.connect(f"tcp://{endpoint}")
@@ -645,6 +694,7 @@ class DecodeWorker(_Worker):
         clock: Clock = time.monotonic,
         linger_ms: int = 1000,
         max_frame_bytes: int = 4 * wire.MAX_FRAME_BYTES,
+        curve: CurveSecurity | None = None,
     ) -> None:
         self.core = core
         self.engine = engine
@@ -662,7 +712,17 @@ class DecodeWorker(_Worker):
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
         self._wake = _Wake(self._ctx, f"decode{core.d_rank}")
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            # ZAP runs on its own thread; a client without an authorised key never reaches
+            # the reader thread or the core.
+            self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx, log=log)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _CurveAllowList(curve.allowed_clients))
+            self._router.curve_server = True
+            self._router.curve_publickey = curve.public
+            self._router.curve_secretkey = curve.secret
         # Replies to a vanished identity raise instead of vanishing silently (counted).
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Frames up to a few times the wire limit reach the core, which rejects oversized
@@ -673,6 +733,8 @@ class DecodeWorker(_Worker):
             self._router.bind(addr)
         except zmq.ZMQError as exc:
             self._router.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             self._wake.close_tx()
             self._wake.rx.close(linger=0)
             if self._own_ctx:
@@ -814,6 +876,8 @@ class DecodeWorker(_Worker):
         """Stop the lanes (queued reads finish, bounded by ``timeout``), then the reader."""
         deadline = time.monotonic() + timeout
         lanes_done = self._lanes.close(timeout)
+        if self._auth is not None:
+            self._auth.stop()
         super().close(max(0.1, deadline - time.monotonic()))
         if not lanes_done:
             raise ControlPlaneError(f"decode {self.core.d_rank}: a transfer-engine read did "

@@ -27,12 +27,14 @@ Work is handed out at most once: a long poll takes everything queued for its ins
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import ipaddress
 import itertools
 import json
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -56,6 +58,15 @@ MAX_POLL_S = 30.0  # a long poll never holds a handler thread longer than this
 MAX_HANDLERS = 64  # concurrent client connections; more are answered 503 at once
 IO_TIMEOUT_S = 5.0  # one socket read or write of a client
 REQUEST_DEADLINE_S = 10.0  # a whole request beyond its long poll, however slowly it dribbles
+TOKEN_ENV = "SFA_RD2H_METASERVER_TOKEN"  # a shared bearer token, off unless set
+
+
+def _auth_headers(token: str | None) -> dict[str, str]:
+    token = os.environ.get(TOKEN_ENV) if token is None else token
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
 MAX_HOST_LEN = 255
 ROLES = ("prefill", "decode")
 
@@ -231,6 +242,7 @@ def post_rendezvous(
     backoff: float = 0.05,
     timeout: float = 2.0,
     sleep: Callable[[float], None] = time.sleep,
+    token: str | None = None,
 ) -> int:
     """POST a rendezvous to the metaserver URL and return the HTTP status (F1).
 
@@ -249,9 +261,7 @@ def post_rendezvous(
     for attempt in range(retries + 1):
         if attempt:
             sleep(backoff * 2 ** (attempt - 1))
-        req = urllib.request.Request(
-            url, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(url, data=body, method="POST", headers=_auth_headers(token))
         try:
             with _OPENER.open(req, timeout=timeout) as resp:
                 resp.read()
@@ -271,14 +281,15 @@ def post_rendezvous(
     raise MetaserverUnreachable(url, retries + 1, last) from last
 
 
-def _call(url: str, body: Mapping[str, Any] | None, timeout: float) -> Any:
+def _call(url: str, body: Mapping[str, Any] | None, timeout: float,
+          token: str | None = None) -> Any:
     _check_url(url)
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
         url,
         data=data,
         method="GET" if body is None else "POST",
-        headers={"Content-Type": "application/json"},
+        headers=_auth_headers(token),
     )
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
@@ -460,6 +471,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         proxy = self.server.proxy
         try:
+            if proxy.auth_token and not hmac.compare_digest(
+                    self.headers.get("Authorization", "").encode(),
+                    f"Bearer {proxy.auth_token}".encode()):
+                self.close_connection = True
+                raise _HttpError(401, "a valid 'Authorization: Bearer <token>' is required")
             parts = urllib.parse.urlsplit(self.path)
             query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
             if method == "POST":
@@ -552,12 +568,16 @@ class ProxyServer:
         max_poll_s: float = MAX_POLL_S,
         max_handlers: int = MAX_HANDLERS,
         request_deadline: float = REQUEST_DEADLINE_S,
+        auth_token: str | None = None,
     ) -> None:
         if max_body <= 0 or max_poll_s < 0 or max_handlers < 1 or request_deadline <= 0:
             raise ValueError("max_body, max_handlers and request_deadline must be > 0 and "
                              "max_poll_s >= 0")
         self.max_handlers = max_handlers
         self.request_deadline = request_deadline
+        # Off unless given (or set in SFA_RD2H_METASERVER_TOKEN): every request must then
+        # carry the token, so no one else can post rendezvous or take work.
+        self.auth_token = os.environ.get(TOKEN_ENV) if auth_token is None else auth_token
         self._bind = (host, port)
         self._advertise_host = advertise_host
         self.max_body = max_body

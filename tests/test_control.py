@@ -25,6 +25,7 @@ from sfa_rd2h.runtime.control import (
     AgreementLoop,
     BindError,
     ControlPlaneError,
+    CurveSecurity,
     DecodeWorker,
     LayerSendTimeout,
     PrefillWorker,
@@ -698,3 +699,50 @@ def test_round_trip_samples_are_bounded() -> None:
     stats = PrefillStats()
     stats.round_trips.extend(range(RTT_SAMPLES + 10))
     assert len(stats.round_trips) == RTT_SAMPLES and stats.round_trips[0] == 10
+
+
+def test_curve_lets_only_authorised_prefills_reach_decode(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """Optional CURVE: an authorised Prefill moves a request; a plain peer and a CURVE peer
+    with an unknown key never reach the core (their frames are not even received)."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    server = CurveSecurity.generate()
+    client = CurveSecurity.generate()
+    intruder = CurveSecurity.generate()
+    decode_side = CurveSecurity(server.public, server.secret,
+                                allowed_clients=frozenset({client.public}))
+    loop = AgreementLoop(SingleRankGroup())
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, on_ready=loop.notify,
+                      on_finished=d.on_finished, curve=decode_side)
+    loop.start(dw, until=lambda agreed: "r1" in agreed)
+    ctx = zmq.Context()
+    plain = _dealer(ctx, dw.port, b"plain")
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.curve_publickey, stranger.curve_secretkey = intruder.public, intruder.secret
+    stranger.curve_serverkey = server.public
+    stranger.connect(f"tcp://127.0.0.1:{dw.port}")
+    meta = wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION))
+    plain.send(meta)
+    stranger.send(meta)
+    pw = PrefillWorker(p.core(), curve=client.client_of(server.public))
+    try:
+        pw.add_request("r1", params(dw.port), [3], [4])
+        dw.register_request("r1", [5], [6])
+        pw.schedule_chunk("r1", 2, True)
+        run_layers(pw, p, 1, [3], [4], 1)
+        assert d.wait_finished("r1").ok
+        d.check(0, 1, [5], [6])
+        assert dw.stats.frames_received == 2  # the authorised MF_META and READY only
+        assert not plain.poll(200) and not stranger.poll(200)  # nobody answered them
+    finally:
+        for sock in (plain, stranger):
+            sock.close()
+        pw.close()
+        loop.close()
+        dw.close()
+        ctx.term()
+    with pytest.raises(ControlPlaneError, match="server_public"):
+        PrefillWorker(p.core(), curve=client)

@@ -521,3 +521,19 @@ def test_handlers_are_bounded_and_the_rest_get_503() -> None:
         finally:
             for s in held:
                 s.close()
+
+
+def test_an_authenticated_metaserver_refuses_requests_without_its_token(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SFA_RD2H_METASERVER_TOKEN", raising=False)
+    with ProxyServer(auth_token="s3cret", max_poll_s=0.5) as proxy:
+        assert post_rendezvous(proxy.metaserver_url, _rdv("r1"), retries=0) == 401
+        with pytest.raises(ProxyRequestError) as exc:
+            fetch_work(proxy.url, "decode", "d0", timeout=0.1)
+        assert exc.value.status == 401
+        assert post_rendezvous(proxy.metaserver_url, _rdv("r1"), retries=0,
+                               token="wrong") == 401
+        assert post_rendezvous(proxy.metaserver_url, _rdv("r1"), retries=0,
+                               token="s3cret") != 401
+        monkeypatch.setenv("SFA_RD2H_METASERVER_TOKEN", "s3cret")  # the clients' default
+        assert fetch_work(proxy.url, "decode", "d0", timeout=0.1) == []
