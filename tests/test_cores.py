@@ -438,3 +438,26 @@ def test_an_engine_that_raises_fails_the_read():  # F2
     [read] = d.on_frame("p0", ready(reqs=(("r2", (5,), (1,), 0, 0),), done=("r2",)), 0.0)
     [reply, *rest] = d.read_result(read.read_id, False, 0.0)  # type: ignore[arg-type]
     assert isinstance(wire.decode(reply.payload), wire.ReadFailed)
+
+
+def test_prefill_block_table_grows_with_chunked_prefill():  # C2
+    p = prefill()
+    p.add_request("r1", PARAMS, [5], [1])
+    with pytest.raises(ProtocolError, match="outside"):
+        p.schedule_chunk("r1", 10, final=True)  # 3 blocks, only 1 allocated so far
+    p.extend_request("r1", [6, 7], [2, 3])
+    p.schedule_chunk("r1", 10, final=True)
+    assert p.requests["r1"].chunk == (0, 3)
+    assert p.requests["r1"].main_ids.tolist() == [5, 6, 7]
+    with pytest.raises(ProtocolError, match="C2: request 'nope' is not tracked"):
+        p.extend_request("nope", [1], [1])
+
+
+def test_decode_abort_fails_a_waiting_request_once():  # C1, R1, R5
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    [ready_action] = d.abort_request("r1", "vLLM aborted it", 1.0)
+    assert ready_action == RequestReady("r1", False)
+    assert d.abort_request("r1", "again", 2.0) == []
+    assert d.abort_request("unknown", "x", 2.0) == []
+    assert "C1: vLLM aborted it" in d.requests["r1"].status.error

@@ -176,6 +176,17 @@ class DecodeCore:
                 actions += self._plan(ready, now)
         return actions
 
+    def abort_request(self, ext_req_id: str, reason: str, now: float) -> list[Action]:
+        """Give up on a registered request now (vLLM aborted it, or its rendezvous could not
+        be posted): its deadline is brought forward through ``deadline_expired`` (R1, C1),
+        later entries for it are skipped (R5), and its ``RequestReady`` comes once no read
+        writes into its blocks any more. A no-op for an unknown or terminal request."""
+        req = self.requests.get(ext_req_id)
+        if req is None or not self._requests.can(req.status, "deadline_expired"):
+            return []
+        self._requests.fire(req.status, "deadline_expired", f"C1: {reason}")
+        return self._maybe_ready(req)
+
     def local_outcome(self, ext_req_id: str) -> bool | None:
         """True/False once this rank is locally terminal and no read still writes into the
         request's blocks; None before that (R1 agreement input)."""

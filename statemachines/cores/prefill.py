@@ -122,6 +122,20 @@ class PrefillCore:
         self.requests[ext_req_id] = req
         return endpoint
 
+    def extend_request(self, ext_req_id: str, main_block_ids: Sequence[int],
+                       indexer_block_ids: Sequence[int]) -> None:
+        """Append the blocks vLLM allocated for a later chunk of the request (C2). Positions
+        never move once allocated, so what earlier READYs named keeps its meaning."""
+        req = self.requests.get(ext_req_id)
+        if req is None:
+            raise ProtocolError(f"C2: request {ext_req_id!r} is not tracked")
+        if len(main_block_ids):
+            req.main_ids = np.concatenate(
+                [req.main_ids, np.asarray(main_block_ids, dtype=np.int64)])
+        if len(indexer_block_ids):
+            req.indexer_ids = np.concatenate(
+                [req.indexer_ids, np.asarray(indexer_block_ids, dtype=np.int64)])
+
     def schedule_chunk(self, ext_req_id: str, computed_tokens: int, final: bool) -> None:
         """This step computes the request's prompt up to ``computed_tokens`` (C2): the READYs
         cover the blocks completed since the last chunk, the final chunk its partial block."""
