@@ -30,7 +30,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from sfa_rd2h.model_check.cluster import FAULT_KINDS, Cluster, RequestSpec, Scope
+from sfa_rd2h.model_check.cluster import FAULT_KINDS, FAULT_OPS, Cluster, RequestSpec, Scope
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.cores.prefill import PrefillCore
 
@@ -39,7 +39,7 @@ OPS_PER_RULE = 40
 # Progress first, faults last: shrinking moves choices toward lower indices, so minimal
 # counterexamples prefer ordinary progress over faults.
 KIND_ORDER = ("prefill", "to_decode", "read", "to_prefill", "rendezvous", "register", "agree",
-              "tick", *FAULT_KINDS)
+              "tick", *FAULT_OPS)
 
 settings.register_profile(
     "checker", deadline=None, stateful_step_count=4, max_examples=40, database=None,
@@ -108,9 +108,12 @@ class ClusterMachine(RuleBasedStateMachine):
     ops: list[tuple] = []
     scope: Scope | None = None
     first_failure: float | None = None
+    on_first_failure: Callable[[], None] | None = None  # progress: shrinking starts now
+    deployments = 0  # deployments started (shrinking replays included)
 
     @initialize(scope=scopes())
     def deploy(self, scope: Scope) -> None:
+        type(self).deployments += 1
         type(self).trace = self.trace = [f"deploy {describe_scope(scope)}"]
         type(self).ops = self.ops = []
         type(self).scope = scope
@@ -124,6 +127,8 @@ class ClusterMachine(RuleBasedStateMachine):
             self.trace.append(f"{what} raised {type(exc).__name__}: {exc}")
             if type(self).first_failure is None:
                 type(self).first_failure = time.perf_counter()
+                if type(self).on_first_failure is not None:
+                    type(self).on_first_failure()
             raise
         if isinstance(out, str):
             self.trace.append(out)
@@ -192,27 +197,34 @@ class CheckResult:
     error: str = ""
     scope: Scope | None = None
     ops: list[tuple] = field(default_factory=list)
+    deployed: int = 0  # deployments started, discarded and shrinking replays included
 
 
-def _machine_for(prefill_cls: type[PrefillCore], decode_cls: type[DecodeCore]) -> type:
+def _machine_for(prefill_cls: type[PrefillCore], decode_cls: type[DecodeCore],
+                 on_shrink: Callable[[], None] | None = None) -> type:
     return type(f"Check_{prefill_cls.__name__}_{decode_cls.__name__}", (ClusterMachine,),
                 {"prefill_cls": prefill_cls, "decode_cls": decode_cls, "trace": [], "ops": [],
-                 "scope": None, "first_failure": None})
+                 "scope": None, "first_failure": None, "deployments": 0,
+                 "on_first_failure": staticmethod(on_shrink) if on_shrink else None})
 
 
 def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCore] = PrefillCore,
               decode_cls: type[DecodeCore] = DecodeCore, batch: int = 25,
               on_progress: Callable[[float, int], None] | None = None,
               profile: str | None = None, shrink_seconds: float = 30.0,
-              max_examples: int | None = None) -> CheckResult:
-    """Run seeded batches until ``budget`` seconds pass (or ``max_examples`` deployments
-    ran) or a counterexample appears.
+              max_examples: int | None = None,
+              on_shrink: Callable[[], None] | None = None) -> CheckResult:
+    """Run seeded batches until ``budget`` seconds pass (or exactly ``max_examples``
+    deployments ran) or a counterexample appears.
 
     Batch ``k`` uses seed ``seed_value * 1_000_003 + k``, so a run is reproducible; with
     ``max_examples`` it does not even depend on the machine's speed (what CI uses).
-    Shrinking a counterexample is bounded by ``shrink_seconds``.
+    Shrinking a counterexample is bounded by ``shrink_seconds``; ``on_shrink`` is called
+    when it starts (the first failure was found), so a progress display can say so.
     """
-    machine = _machine_for(prefill_cls, decode_cls)
+    if max_examples is not None and max_examples < 1:
+        raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+    machine = _machine_for(prefill_cls, decode_cls, on_shrink)
     base = settings.get_profile(profile or default_profile())
     start = time.perf_counter()
     examples = 0
@@ -221,7 +233,9 @@ def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCo
     conjecture_engine.MAX_SHRINKING_SECONDS = max(1, int(shrink_seconds))
     try:
         while True:
-            conf = settings(base, max_examples=batch)
+            # The last batch is cut short so that exactly max_examples deployments run.
+            size = batch if max_examples is None else min(batch, max_examples - examples)
+            conf = settings(base, max_examples=size)
             seeded = seed(seed_value * 1_000_003 + k)(machine)
             try:
                 # Our own numbered trace replaces hypothesis' report (which would also mix
@@ -230,17 +244,17 @@ def run_check(budget: float, seed_value: int = 0, *, prefill_cls: type[PrefillCo
                     run_state_machine_as_test(seeded, settings=conf)
             except BaseException as exc:  # noqa: BLE001 - any escape is a counterexample
                 first = machine.first_failure
-                return CheckResult(False, examples + batch, time.perf_counter() - start,
+                return CheckResult(False, examples + size, time.perf_counter() - start,
                                    (first - start) if first else None, list(machine.trace),
                                    f"{type(exc).__name__}: {exc}", machine.scope,
-                                   list(machine.ops))
-            examples += batch
+                                   list(machine.ops), machine.deployments)
+            examples += size
             k += 1
             elapsed = time.perf_counter() - start
             if on_progress is not None:
                 on_progress(elapsed, examples)
             if elapsed >= budget or (max_examples is not None and examples >= max_examples):
-                return CheckResult(True, examples, elapsed)
+                return CheckResult(True, examples, elapsed, deployed=machine.deployments)
     finally:
         conjecture_engine.MAX_SHRINKING_SECONDS = saved
 

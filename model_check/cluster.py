@@ -37,8 +37,11 @@ MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tens
 P_BASE, D_BASE = 0x1000, 0x100000
 D_PORT = 7000
 FOREVER = 1e9
-FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode",
-               "rogue_ready", "rogue_meta")
+# What swarm testing switches on or off per deployment; "rogue" is a peer outside the
+# project's Prefill discipline, in either of its two forms (FAULT_OPS names every fault op).
+FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode", "rogue")
+FAULT_OPS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode",
+             "rogue_ready", "rogue_meta")
 
 Op = tuple
 
@@ -375,9 +378,8 @@ class Cluster:
                 ops += [("garbage", *key) for key in self.to_d]
             if "restart_decode" in kinds:
                 ops += [("restart_decode", inst) for inst in range(s.d_instances)]
-            if "rogue_ready" in kinds:
+            if "rogue" in kinds:
                 ops += [("rogue_ready", *key) for key in self.ghost.last_ready]
-            if "rogue_meta" in kinds:
                 ops += [("rogue_meta", g) for g in range(self.n_d)]
         return ops
 
@@ -393,7 +395,7 @@ class Cluster:
         """Perform one operation; return a one-line description for counterexamples."""
         self._by_kind = None
         kind = op[0]
-        if kind in FAULT_KINDS:
+        if kind in FAULT_OPS:
             self.faults += 1
         return getattr(self, f"_op_{kind}")(*op[1:])
 

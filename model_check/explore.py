@@ -67,8 +67,8 @@ def explore(scope: Scope = DEFAULT_SCOPE, *, max_states: int | None = None,
             if key not in seen:
                 seen.add(key)
                 frontier.append((nxt, level + 1))
-                if on_progress is not None and len(seen) % 1000 == 0:
-                    on_progress(len(seen))
+                if on_progress is not None:
+                    on_progress(len(seen))  # cheap next to the deepcopy; callers throttle
                 if max_states is not None and len(seen) >= max_states:
                     return ExploreResult(len(seen), transitions, finals, depth,
                                          time.perf_counter() - start, False)

@@ -1,8 +1,9 @@
 """Seeded bugs: named defects the checker must find, switched on only here.
 
 Each bug is a subclass of a production core that overrides one hook, so production code
-carries no flag that could turn a bug on. The catalog covers the seven "known failure
-modes" of PROTOCOL.md and at least one defect per rule group (S, R, T, L, W, C, F).
+carries no flag that could turn a bug on. The catalog covers seven known failure modes of
+RD2H connectors (the bugs whose doc starts "Known failure N"; spec/PROTOCOL.md lists them)
+and at least one defect per rule group (S, R, T, L, W, C, F).
 A bug that another defence provably masks is listed as ``equivalent`` with the reason;
 the checker still runs it, to show it is not killed.
 """
@@ -268,16 +269,30 @@ class MutantOutcome:
 
 def run_mutants(budget: float, seed_value: int = 0, names: list[str] | None = None,
                 on_result: Callable[[MutantOutcome], None] | None = None,
+                on_start: Callable[[SeededBug], None] | None = None,
+                on_progress: Callable[[float, int], None] | None = None,
+                on_shrink: Callable[[], None] | None = None,
                 ) -> list[MutantOutcome]:
-    """Run the checker against every seeded bug, ``budget`` seconds each."""
+    """Run the checker against every seeded bug, ``budget`` seconds each.
+
+    ``names`` selects bugs; an unknown name raises ``KeyError`` listing the known ones.
+    ``on_start`` / ``on_progress`` / ``on_shrink`` / ``on_result`` follow each bug's run
+    (for a progress display)."""
     from sfa_rd2h.model_check.checker import run_check
 
+    unknown = sorted(set(names or ()) - set(BY_NAME))
+    if unknown:
+        raise KeyError(f"unknown seeded bug(s) {', '.join(unknown)}; known: "
+                       f"{', '.join(BY_NAME)}")
     outcomes = []
     for bug in BUGS:
         if names and bug.name not in names:
             continue
+        if on_start is not None:
+            on_start(bug)
         result = run_check(budget, seed_value, prefill_cls=bug.prefill, decode_cls=bug.decode,
-                           shrink_seconds=min(20.0, budget))
+                           shrink_seconds=min(20.0, budget), on_progress=on_progress,
+                           on_shrink=on_shrink)
         killed = not result.ok
         outcome = MutantOutcome(
             bug.name, bug.rules, killed, result.first_failure if killed else None,

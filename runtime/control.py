@@ -72,15 +72,17 @@ class _Throttled:
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()  # read lanes warn concurrently
 
     def warn(self, kind: str, msg: str, *args: Any) -> bool:
         """Log unless ``kind`` was logged recently; True when it was logged."""
         now = time.monotonic()
-        last, suppressed = self._last.get(kind, (-math.inf, 0))
-        if now - last < _WARN_EVERY_S:
-            self._last[kind] = (last, suppressed + 1)
-            return False
-        self._last[kind] = (now, 0)
+        with self._lock:
+            last, suppressed = self._last.get(kind, (-math.inf, 0))
+            if now - last < _WARN_EVERY_S:
+                self._last[kind] = (last, suppressed + 1)
+                return False
+            self._last[kind] = (now, 0)
         if suppressed:
             msg += " (%d more like it suppressed)"
             args = (*args, suppressed)
@@ -327,6 +329,27 @@ class PrefillWorker(_Worker):
             self._check_alive()
             return self.core.add_request(ext_req_id, kv_transfer_params, main_block_ids,
                                          indexer_block_ids)
+
+    def extend_request(self, ext_req_id: str, main_block_ids: Sequence[int],
+                       indexer_block_ids: Sequence[int]) -> None:
+        """vLLM allocated blocks for a later chunk of the request (C2)."""
+        with self._cond:
+            self._check_alive()
+            self.core.extend_request(ext_req_id, main_block_ids, indexer_block_ids)
+
+    def finish_request(self, ext_req_id: str) -> bool:
+        """vLLM finished or aborted the request: stop publishing it (its READYs already
+        planned stand, S3). Returns whether it was still tracked."""
+        with self._cond:
+            self._check_alive()
+            return self.core.finish_request(ext_req_id)
+
+    def layer_settled(self, layer_idx: int) -> bool:
+        """Whether no reader of the layer's slots is outstanding: each slot is free, or its
+        latest publication was answered (or its reader declared lost) and the failure
+        waits to be observed by the compute path (S1, S4, S5). Never blocks."""
+        with self._cond:
+            return all(g.state in ("free", "failed") for g in self.core.gates_of(layer_idx))
 
     def schedule_chunk(self, ext_req_id: str, computed_tokens: int, final: bool) -> None:
         """Plan this step's chunk of a request (C2).
@@ -777,6 +800,14 @@ class DecodeWorker(_Worker):
             actions = self.core.register_request(ext_req_id, main_dest, indexer_dest,
                                                  self._clock())
         self._dispatch(actions)
+        self._wake.ring()  # the reader thread must take the request's deadline into account
+
+    def abort_request(self, ext_req_id: str, reason: str) -> None:
+        """vLLM aborted the request, or its rendezvous failed (C1, R1)."""
+        with self._cond:
+            self._check_alive()
+            actions = self.core.abort_request(ext_req_id, reason, self._clock())
+        self._dispatch(actions)
 
     def local_outcome(self, ext_req_id: str) -> bool | None:
         with self._cond:
@@ -893,7 +924,7 @@ class DecodeWorker(_Worker):
             # The Prefill connection is gone (EHOSTUNREACH) or its queue is full; the core
             # did its part (exactly one reply), and Prefill's monitor fails its gate (S5).
             self.stats.undeliverable += 1
-            log.warning("decode rank %d: reply to %s undeliverable: %s",
+            self._warn.warn("undeliverable", "decode rank %d: reply to %s undeliverable: %s",
                         self.core.d_rank, a.peer, exc)
             with self._cond:
                 self.core.connection_lost(a.peer)
@@ -918,7 +949,7 @@ class DecodeWorker(_Worker):
             else:
                 self.stats.failed_reads += 1
         if not ok:
-            log.warning("decode rank %d: batched read from %s failed (%s): %s",
+            self._warn.warn("read", "decode rank %d: batched read from %s failed (%s): %s",
                         self.core.d_rank, a.session, result,
                         getattr(self.engine, "last_error", ""))
         return result
@@ -979,6 +1010,26 @@ class AgreementLoop:
             if outcome is not None:
                 local[ext] = outcome
         return local
+
+    def round(self, worker: DecodeWorker) -> list[RequestFinished]:
+        """One collective round on the caller's thread (inside vLLM, once per step from
+        ``get_transfer_results``, so every rank joins every collective in vLLM's order):
+        contribute the local outcomes, apply what the group agreed, return the terminal
+        status of those requests."""
+        local = self.take_local(worker)
+        agreed = self.group.agree(local)
+        self.rounds += 1
+        finished: list[RequestFinished] = []
+        for ext_req_id, ok in agreed.items():
+            finished += worker.apply_agreement(ext_req_id, ok)
+            with self._cond:
+                self.agreed[ext_req_id] = ok
+        return finished
+
+    def wait_fresh(self, timeout: float) -> bool:
+        """Block until some local outcome awaits the next round; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._fresh), timeout)
 
     def start(self, worker: DecodeWorker, until: Callable[[Mapping[str, bool]], bool]) -> None:
         if self._thread is not None:

@@ -460,6 +460,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
+    def send_response_only(self, code: int, message: str | None = None) -> None:
+        # http.server answers a request line it cannot parse, or one claiming HTTP/0.9, in
+        # HTTP/0.9 form: a bare body with no status line (and nothing at all for HEAD). A
+        # client then cannot tell an error from a hang-up, so every answer here is HTTP/1.0.
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        super().send_response_only(code, message)
+
     def _reply(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
@@ -516,7 +524,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HttpError(400, f"body truncated: {len(data)} of {length} bytes")
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:
+            # ValueError: bad UTF-8, bad JSON, or an integer over Python's digit limit;
+            # RecursionError: nesting deeper than the decoder's stack. All are bad bodies.
             raise _HttpError(400, f"body is not valid JSON: {exc}") from None
 
     def do_GET(self) -> None:  # noqa: N802 - http.server naming

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from datetime import timedelta
@@ -161,6 +162,13 @@ class GlooTpGroup(TpGroup):
     ``timeout`` (seconds) bounds every collective; a missing or dead peer raises
     :class:`TpGroupError` instead of hanging. Payloads are pickled (``all_gather_object``):
     the TP ranks of one instance trust each other.
+
+    ``close()`` never destroys the group underneath a collective that another thread of this
+    rank is running (e.g. an agreement loop that an abort could not stop in time): the
+    all-gather is two gloo collectives, and destroying the group between them failed this
+    rank's half and reset the peers' connections mid-round, so every rank failed with gloo's
+    "Connection closed by peer" instead of the error that started the abort. The group is
+    destroyed when that collective returns; no new one starts after ``close()``.
     """
 
     def __init__(
@@ -191,6 +199,8 @@ class GlooTpGroup(TpGroup):
         self._owned_group: Any = None
         self._closed = False
         self._broken: str | None = None
+        self._state_lock = threading.Lock()  # guards _closed and _in_flight
+        self._in_flight = 0  # collectives running on this rank (agree from any thread)
         td = timedelta(seconds=float(timeout))
         if group is not None:
             if init_method is not None:
@@ -237,24 +247,40 @@ class GlooTpGroup(TpGroup):
         return self._world_size
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        if self._closed:
-            raise TpGroupError("TP group is closed")
-        if self._broken is not None:
-            # After a failed collective the ranks may be out of step; refuse rather than
-            # pair this call with a different call on another rank.
-            raise TpGroupError(f"TP group is unusable after an earlier failure: {self._broken}")
+        with self._state_lock:
+            if self._closed:
+                raise TpGroupError("TP group is closed")
+            if self._broken is not None:
+                # After a failed collective the ranks may be out of step; refuse rather than
+                # pair this call with a different call on another rank.
+                raise TpGroupError(
+                    f"TP group is unusable after an earlier failure: {self._broken}")
+            self._in_flight += 1
         out: list[Any] = [None] * self._world_size
         try:
             self._dist.all_gather_object(out, obj, group=self._group)
         except Exception as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             raise TpGroupError(f"TP all-gather failed on rank {self._rank}: {exc}") from exc
+        finally:
+            with self._state_lock:
+                self._in_flight -= 1
+                destroy = self._closed and self._in_flight == 0
+            if destroy:  # close() came while this collective ran: it is over now
+                self._destroy()
         return out
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._in_flight:
+                return  # the thread running the collective destroys the group when it returns
+        self._destroy()
+
+    def _destroy(self) -> None:
+        # Runs once: from close() when no collective runs, else from the one that ends last.
         dist = self._dist
         if not dist.is_initialized():
             return

@@ -2,7 +2,7 @@
 
 Callers that only care whether input was acceptable catch ``ProtocolError``; the
 subclasses say which layer of the spec refused it (wire, topology, layout, machine).
-Messages name the rule ID so an operator can go from a log line to PROTOCOL.md.
+Messages name the rule ID so an operator can go from a log line to spec/PROTOCOL.md.
 """
 
 from __future__ import annotations

@@ -119,6 +119,20 @@ RULES: tuple[Rule, ...] = (
 
 BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
 
+#: The rule groups, by ID letter, in catalog order.
+GROUPS: dict[str, str] = {
+    "W": "Wire",
+    "S": "Slots on Prefill",
+    "R": "Requests on Decode",
+    "L": "Layout",
+    "T": "Unequal TP",
+    "P": "Ports",
+    "C": "Lifecycle",
+    "F": "Faults and compatibility",
+    "M": "Composition with other connectors",
+    "X": "Beyond the source design",
+}
+
 
 def resolve(check: str) -> Callable:
     """Import the spec function a rule names (``module:function``)."""

@@ -2,7 +2,7 @@
 
 Everything here is pure integer arithmetic so Prefill, Decode, the model checker and the
 operator CLI (`sfa-rd2h plan`) compute exactly the same answer from the same inputs. Rule
-IDs refer to PROTOCOL.md; every rejection is a ``TopologyError`` whose message starts with
+IDs refer to spec/PROTOCOL.md; every rejection is a ``TopologyError`` whose message starts with
 the ID of the rule it enforces, so a log line leads straight to the spec.
 
 Block shares

@@ -1,4 +1,4 @@
-"""RD2H wire schemas and codec (PROTOCOL.md W1-W5, "Wire encoding", F3).
+"""RD2H wire schemas and codec (spec/PROTOCOL.md W1-W5, F3, and its wire encoding).
 
 Everything here is a pure function or a frozen value: no sockets, no threads, no clock.
 The runtime hands raw frames in and gets typed messages out (or a ``WireError``), and the
@@ -18,6 +18,30 @@ Design choices that other modules rely on:
   they know (up to ``MAX_FIELDS``). Shapes that are neither a known legacy form nor a
   known form plus appendices are rejected rather than guessed, because guessing a missing
   destination offset or version would silently write to the wrong blocks (L1, F3).
+
+Wire encoding
+-------------
+The public vllm-ascend connector uses these exact encodings; speaking them lets this project
+interoperate with (and be tested against) deployments of it.
+
+* Message kinds are msgpack ``bytes``: ``b"mf_meta"``, ``b"read_ready_batch"``,
+  ``b"read_done"``, ``b"read_failed"``. Each message is a msgpack array, the kind first.
+* The reply to a 3-field MF_META is a single raw frame ``b"ACK"`` (not msgpack). A versioned
+  handshake appends fields to MF_META (protocol version, ...) and gets a structured msgpack
+  acknowledgement back; a legacy 3-field MF_META still gets the raw ``b"ACK"``.
+* The ROUTER sees ``[identity, b"", payload]`` or ``[identity, payload]``; empty frames are
+  dropped and exactly one payload frame must remain. Replies go to the same identity.
+* The layer metadata of MF_META is itself a msgpack blob: a map from main layer name to
+  ``{base_addrs, block_len, block_size_scale, tensor_group_idx: [int], main_tensor_count:
+  int, has_indexer: bool}``. Tensor order: main K, main V, indexer, optional LIC8 scale. One
+  external block of tensor *i* spans ``block_len[i] * block_size_scale[i]`` bytes.
+* Legacy READY entries with only ``(ext_req_id, block_ids)`` use the same ids for main and
+  indexer, with both destination offsets 0.
+* Request ids: the external id is the vLLM request id without its 9-character engine suffix.
+* Rendezvous (Decode to the metaserver, HTTP JSON POST): ``request_id`` (external),
+  ``do_remote_prefill: false``, ``do_remote_decode: true``, ``remote_engine_id``,
+  ``remote_host``, ``remote_port`` (the Decode base port), ``remote_tp_size``,
+  ``remote_cached_tokens``. No Decode block ids.
 """
 
 from __future__ import annotations
@@ -882,20 +906,27 @@ def encode_meta_reply(msg: MfMeta, ack: MfMetaAck) -> bytes:
 
 def meta_refusal(payload: bytes, error: str) -> bytes | None:
     """The refusal Decode sends for an MF_META it could not decode (W5: a refusal is never
-    silence), or None when the frame is not recognisably an MF_META. Never raises."""
+    silence), or None when the frame is not recognisably an MF_META. Never raises.
+
+    Recognisably an MF_META means the frame starts as a msgpack array whose first element
+    is the MF_META kind, read from a short prefix as ``layer_of`` reads a READY's layer: so
+    a truncated or oversized MF_META is still answered, and nothing else is (a substring
+    test also matched ``mf_meta_ack`` and refused, and disconnected, frames that were no
+    MF_META at all).
+    """
     try:
-        fields = msgpack.unpackb(bytes(payload)[:MAX_FRAME_BYTES], raw=False,
-                                 max_bin_len=MAX_FRAME_BYTES, max_array_len=MAX_FIELDS,
-                                 max_map_len=1 << 20, max_str_len=MAX_FRAME_BYTES)
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            return None
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64, max_str_len=64,
+                                    max_bin_len=64, max_array_len=2**32 - 1,
+                                    max_map_len=64, max_ext_len=0)
+        unpacker.feed(bytes(memoryview(payload)[:64]))
+        n_fields = unpacker.read_array_header()
+        if n_fields < 1 or unpacker.unpack() != MF_META:
+            return None
     except Exception:
-        fields = None
-    head = bytes(payload[:16]) if isinstance(payload, bytes | bytearray | memoryview) else b""
-    if type(fields) is list and fields and fields[0] == MF_META:
-        old_form = len(fields) == 5
-    elif fields is None and MF_META in head:
-        old_form = False
-    else:
         return None
+    old_form = n_fields == 5
     ack = MfMetaAck(False, PROTOCOL_VERSION, LAYOUT_VERSION if old_form else None,
                     f"W1: MF_META refused: {error}")
     return encode(ack)

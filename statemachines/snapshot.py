@@ -71,6 +71,25 @@ def export_spec() -> dict[str, Any]:
     }
 
 
+def not_a_snapshot(obj: Any) -> str | None:
+    """Why ``obj`` (parsed JSON) is not a spec snapshot ``diff_specs`` can review, or None."""
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    missing = [k for k in ("format", "machines", "wire", "invariants") if k not in obj]
+    if missing:
+        return f"no {', '.join(missing)} key(s): not a spec snapshot"
+    if obj["format"] != SNAPSHOT_FORMAT:
+        return f"snapshot format {obj['format']!r}; this tool reads format {SNAPSHOT_FORMAT}"
+    for key in ("machines", "wire", "invariants"):
+        if not isinstance(obj[key], dict):
+            return f"{key!r} is not an object"
+    for name, m in obj["machines"].items():
+        if not (isinstance(m, dict) and isinstance(m.get("states"), list)
+                and isinstance(m.get("transitions"), list)):
+            return f"machine {name!r} has no states and transitions lists"
+    return None
+
+
 def dumps(snapshot: dict[str, Any]) -> str:
     return json.dumps(snapshot, indent=2, sort_keys=True) + "\n"
 

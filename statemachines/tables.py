@@ -4,7 +4,7 @@ Everything that knows a state or a transition of the protocol reads it from here
 diagrams, the spec snapshot, the model checker and the runtime cores (through
 ``statemachines.engine``). Nothing else may move a model between states.
 
-Rules (PROTOCOL.md IDs):
+Rules (spec/PROTOCOL.md IDs):
 
 * ``prefill_slot`` - one per physical main slot and one per physical indexer slot, keyed by
   storage address (S2). A slot is written only when ``free`` (S1); READY goes out only after

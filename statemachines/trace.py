@@ -17,7 +17,10 @@ checks the cross-process rules a single core cannot see:
   its layer, a cleanly closed process leaves none unanswered, and where both ends of a
   connection are in the set, the counts each side sent equal the counts the other received;
 * R1/R2: every request that reached a terminal state on one Decode rank reached the same
-  one on every Decode rank of the set (one Decode instance per validation).
+  one on every Decode rank of the set (one Decode instance per validation);
+* W3/F2: on Decode, the reply sent for a READY is the one its ``decode_layer_read`` ended
+  in - READ_DONE after ``done``, READ_FAILED after ``failed`` - so a trace whose machine
+  state and wire contradict each other is a divergence, whichever of the two is wrong.
 
 Record kinds (``k``): ``process`` (header), ``info``, ``tr`` (transition), ``msg``,
 ``conn`` and ``close`` (written by :meth:`Tracer.close`; its absence means the process did
@@ -30,7 +33,7 @@ import json
 import os
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,8 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.statemachines.tables import BY_NAME
 
 REPLY_KINDS = frozenset({"read_done", "read_failed"})
+# decode_layer_read's final states and the reply each one sends (W3, F2)
+_READ_REPLY = {"done": "read_done", "failed": "read_failed"}
 _FLUSH_LINES = 512  # buffered records before a write; close() flushes the rest
 _ARG_CHARS = 160  # error texts in transition arguments are cut to this length
 _MAX_DIVERGENCES = 100
@@ -272,6 +277,10 @@ class _File:
     conns: dict[str, _Conn] = field(default_factory=dict)  # prefill: by identity hex
     finals: dict[str, tuple[int, str]] = field(default_factory=dict)  # request -> (line, st)
     started: dict[str, int] = field(default_factory=dict)  # request -> line
+    # Decode: (peer, layer) -> the replies its ended layer reads call for, oldest first:
+    # (reply kind, line of the final transition, read key)
+    replies_due: dict[tuple[str, int], deque[tuple[str, int, str]]] = field(
+        default_factory=lambda: defaultdict(deque))
 
 
 class _Validator:
@@ -297,7 +306,9 @@ class _Validator:
         self.report.files += 1
         states: dict[tuple[str, str], str] = {}
         try:
-            fh = open(path, encoding="utf-8")  # noqa: SIM115
+            # undecodable bytes become lone surrogates, so one bad line is reported below
+            # instead of ending the whole file with a UnicodeDecodeError
+            fh = open(path, encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
         except OSError as exc:
             self.fail(path, 0, "trace", f"cannot read: {exc}")
             return
@@ -307,14 +318,23 @@ class _Validator:
                 if not raw.strip():
                     continue
                 try:
+                    raw.encode("utf-8")
+                except UnicodeEncodeError:
+                    self.fail(path, line_no, "trace", "not a JSON record: not UTF-8 text")
+                    continue
+                try:
                     rec = json.loads(raw)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     self.fail(path, line_no, "trace", f"not a JSON record: {exc}")
                     continue
                 if not isinstance(rec, dict):
                     self.fail(path, line_no, "trace", "record is not a JSON object")
                     continue
                 self.report.records += 1
+                bad = _bad_field(rec)
+                if bad is not None:
+                    self.fail(path, line_no, "trace", bad)
+                    continue
                 kind = rec.get("k")
                 if line_no == 1 and kind != "process":
                     self.fail(path, 1, "trace", "first record is not a process header")
@@ -386,6 +406,10 @@ class _Validator:
         states[ident] = dst
         if machine == "request_status" and dst in spec.final_states:
             f.finals[key] = (line, dst)
+        if machine == "decode_layer_read" and dst in _READ_REPLY:
+            due = _read_peer_layer(key)
+            if due is not None:
+                f.replies_due[due].append((_READ_REPLY[dst], line, str(key)))
 
     def _conn(self, f: _File, conn_id: str, peer: str, line: int) -> _Conn:
         c = f.conns.get(conn_id)
@@ -404,6 +428,9 @@ class _Validator:
             conn_id = peer
             outgoing = direction == "recv"  # on Decode, READYs come in and replies go out
         c = self._conn(f, conn_id, peer, line)
+        if f.role == "decode" and direction == "send" and kind in REPLY_KINDS \
+                and layer is not None:
+            self._reply_matches_read(f, line, peer, layer, str(kind))
         if outgoing and kind == "mf_meta":
             c.meta = True
         elif outgoing and kind == "read_ready_batch" and layer is not None:
@@ -429,6 +456,21 @@ class _Validator:
                           "outstanding READY")
             else:
                 c.outstanding[layer] -= 1
+
+    def _reply_matches_read(self, f: _File, line: int, peer: str, layer: int,
+                            kind: str) -> None:
+        """W3/F2: a reply says what the layer read it answers ended in."""
+        due = f.replies_due.get((peer, layer))
+        if not due:
+            return  # no ended read recorded for it (an older trace): nothing to compare
+        want, read_line, read_key = due.popleft()
+        if kind != want:
+            rule = "F2" if want == "read_failed" else "W3"
+            ended = "failed" if want == "read_failed" else "done"
+            self.fail(f.path, line, rule,
+                      f"{kind} for layer {layer} to {peer} answers decode_layer_read"
+                      f"[{read_key}], which ended {ended!r} at line {read_line}; it calls "
+                      f"for {want}")
 
     def _conn_event(self, f: _File, line: int, rec: dict[str, Any]) -> None:
         c = self._conn(f, str(rec.get("conn")), str(rec.get("peer", "")), line)
@@ -467,7 +509,7 @@ class _Validator:
                     self.fail(p.path, c.last_line, "S3",
                               f"connection {conn_id}: {d.path} sent replies per layer "
                               f"{dict(got_a)}, Prefill received {dict(c.replies)}")
-        keys = sorted({k for f in decode for k in f.finals})
+        keys = sorted({k for f in decode for k in f.finals}, key=str)  # a key may be null
         for key in keys:
             outcomes = {f.path: f.finals.get(key) for f in decode if key in f.started}
             seen = {v[1] for v in outcomes.values() if v is not None}
@@ -484,6 +526,36 @@ class _Validator:
                     self.fail(f.path, f.started[key], "R1",
                               f"request {key!r} is terminal on another Decode rank but never "
                               "reached a terminal state here")
+
+
+def _read_peer_layer(key: Any) -> tuple[str, int] | None:
+    """``(peer, layer)`` of a Decode read key ``"<peer>/L<layer>/<serial>"``, or None."""
+    parts = str(key).rsplit("/", 2)
+    if len(parts) != 3 or not parts[1].startswith("L") or not parts[1][1:].isdigit():
+        return None
+    try:
+        return parts[0], int(parts[1][1:])
+    except ValueError:  # digits int() refuses: superscripts, or beyond its digit limit
+        return None
+
+
+# Fields the Tracer only ever writes as strings; a record with another JSON type there is
+# malformed (and would otherwise reach dict keys, set membership or sorting as garbage).
+_STR_FIELDS = ("k", "m", "key", "ev", "src", "dst", "dir", "peer", "kind", "conn", "role",
+               "endpoint")
+
+
+def _bad_field(rec: dict[str, Any]) -> str | None:
+    """What is wrongly typed in a record, or None: a listed field that is present and not
+    null must be a string, and ``layer`` an integer."""
+    for name in _STR_FIELDS:  # in this order, so the report does not depend on key order
+        value = rec.get(name)
+        if value is not None and type(value) is not str:
+            return f"field {name!r} must be a string, got {type(value).__name__}"
+    layer = rec.get("layer")
+    if layer is not None and type(layer) is not int:
+        return f"field 'layer' must be an integer, got {type(layer).__name__}"
+    return None
 
 
 def validate(paths: Iterable[str | os.PathLike[str]]) -> Report:

@@ -582,8 +582,10 @@ def test_validate_flags_empty_and_unclosed_traces(tmp_path: Path) -> None:
 
 def test_agreement_loop_cadence_and_merge() -> None:
     """Rounds are spaced by round_wait when idle (no busy loop), a new outcome starts the
-    next round at once, a failure reported after a success sticks (R4, T1), and the loop
-    ends after the round in which ``until`` holds."""
+    next round at once, the loop contributes what the worker's core says at round time (not
+    what the notifications said), and it ends after the round in which ``until`` holds.
+    That a failed request stays failed is the core's decision (the request_status table):
+    ``test_a_failed_request_cannot_become_ok_in_the_core`` below."""
     from sfa_rd2h.statemachines.cores.actions import RequestReady
 
     calls: list[tuple[float, dict[str, bool]]] = []
@@ -628,6 +630,59 @@ def test_agreement_loop_cadence_and_merge() -> None:
     assert worker.applied == [("a", False), ("b", True)]
     assert loop.agreed == {"a": False, "b": True}
     assert calls[-1][1] == {"b": True}
+
+
+def test_a_failed_request_cannot_become_ok_in_the_core() -> None:
+    """R5 with R4, R1: once a read failed for a request, nothing that comes later makes it
+    ok - not a later layer's READY carrying every contributor's final signal, not a stale
+    "ok" notification, not a TP agreement that says ok - through the real Decode core and
+    the agreement loop that runs it."""
+    from sfa_rd2h.statemachines.cores.actions import IssueRead, RequestReady
+
+    meta = wire.LayerMeta((0x1000, 0x2000), (16, 16), (1, 1), (0, 0), 2, False)
+    dest = DestLayout((0x900000, 0x910000), (16, 16), (32, 32), 2, False, False)
+    core = DecodeCore(0, 1, {"l0": dest, "l1": dest}, request_deadline=5.0)
+
+    def ready(layer: int, ext: str, done: bool) -> bytes:
+        return wire.encode(wire.ReadReadyBatch(layer, f"l{layer}", (
+            wire.ReadReq(ext, (1,), (1,), 0, 0),), (ext,) if done else ()))
+
+    core.on_frame("p0", wire.encode(wire.MfMeta("s:1", {"l0": meta, "l1": meta})), 0.0)
+    for ext in ("read-failed", "deadline"):
+        core.register_request(ext, [3], [3], 0.0)
+    [read] = core.on_frame("p0", ready(0, "read-failed", False), 0.0)
+    assert isinstance(read, IssueRead)
+    assert RequestReady("read-failed", False) in core.read_result(read.read_id, -7, 0.0)
+    assert RequestReady("deadline", False) in core.tick(6.0)  # R1: contributors too late
+    for ext in ("read-failed", "deadline"):
+        late = core.on_frame("p0", ready(1, ext, True), 7.0)  # the last layer, final signal
+        assert not any(isinstance(a, IssueRead) for a in late)  # no write after failure
+        assert core.local_outcome(ext) is False
+        assert core.requests[ext].status.state == "local_failed"
+
+    class CoreWorker:  # what the DecodeWorker exposes to the loop, over the bare core
+        def local_outcome(self, ext: str) -> bool | None:
+            return core.local_outcome(ext)
+
+        def apply_agreement(self, ext: str, ok: bool) -> list[Any]:
+            return core.apply_agreement(ext, ok)
+
+    loop = AgreementLoop(SingleRankGroup(), round_wait=0.01)
+    for ext in ("read-failed", "deadline"):
+        loop.notify(RequestReady(ext, True))  # a stale "ok": the core decides, not this
+    loop.start(CoreWorker(), until=lambda agreed: len(agreed) == 2)  # type: ignore[arg-type]
+    assert loop.wait(WAIT) and loop.error is None
+    assert loop.agreed == {"read-failed": False, "deadline": False}
+    assert {ext: core.terminal[ext] for ext in loop.agreed} == loop.agreed
+
+    # Even an agreement that says ok cannot make a locally failed request succeed.
+    core.register_request("third", [4], [4], 10.0)
+    [read] = core.on_frame("p0", ready(0, "third", True), 10.0)
+    core.read_result(read.read_id, RuntimeError("device lost"), 10.0)
+    [finished] = core.apply_agreement("third", True)
+    assert isinstance(finished, RequestFinished) and not finished.ok
+    assert "device lost" in (finished.error or "")
+    assert core.terminal["third"] is False
 
 
 def test_a_slow_registry_stalls_only_its_own_peer(

@@ -9,6 +9,7 @@ within a bounded time and leave the destination exactly as it was.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -263,9 +264,29 @@ def test_cma_splits_large_batches_into_bounded_syscalls(
 ) -> None:
     # Shrink the per-piece and per-syscall limits so a 3 MiB read exercises piece splitting,
     # the byte cap and the IOV_MAX cap with real bytes.
-    monkeypatch.setattr(host_mod, "_PIECE_BYTES", 64 << 10)
-    monkeypatch.setattr(host_mod, "_GROUP_BYTES", 256 << 10)
-    monkeypatch.setattr(host_mod, "IOV_MAX", 3)
+    piece, group, iov_max = 64 << 10, 256 << 10, 3
+    monkeypatch.setattr(host_mod, "_PIECE_BYTES", piece)
+    monkeypatch.setattr(host_mod, "_GROUP_BYTES", group)
+    monkeypatch.setattr(host_mod, "IOV_MAX", iov_max)
+    syscalls: list[list[int]] = []  # the iovec lengths of every process_vm_readv
+    real_readv = host_mod._readv
+
+    def recording_readv(pid: int, local_iov: int, remote_iov: int, count: int) -> Any:
+        iov = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iov))
+        syscalls.append(iov[1::2].tolist())
+        return real_readv(pid, local_iov, remote_iov, count)
+
+    monkeypatch.setattr(host_mod, "_readv", recording_readv)
+
+    def check_bounds(total: int) -> None:
+        assert syscalls, "no syscall was made"
+        assert sum(map(sum, syscalls)) == total  # every byte once
+        assert max(map(len, syscalls)) <= iov_max  # IOV_MAX iovecs per syscall at most
+        assert max(max(lens) for lens in syscalls) <= piece  # no piece over its cap
+        # A syscall's pieces start inside one byte window, so it moves < group + piece.
+        assert max(map(sum, syscalls)) < group + piece
+        syscalls.clear()
+
     region = cma_peer.regions["array"]
     dst, base = _dest(reader, ARRAY_BYTES)
     block = 3 << 10
@@ -274,14 +295,35 @@ def test_cma_splits_large_batches_into_bounded_syscalls(
     local = base + order * np.uint64(block)
     peer = region[0] + order * np.uint64(block)
     sizes = np.full(count, block, dtype=np.uint64)
-    # One oversized descriptor on top: 1 MiB, split into 16 pieces.
     assert reader.batch_transfer_sync_read(cma_peer.session, local, peer, sizes) == 0
     np.testing.assert_array_equal(dst, pattern(*region[1:]))
+    check_bounds(ARRAY_BYTES)
+    # One oversized descriptor: 1 MiB, split into 16 pieces of 64 KiB, at most 3 per syscall.
     dst.fill(SENTINEL)
     ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [region[0]], [1 << 20])
     assert ret == 0
     np.testing.assert_array_equal(dst[: 1 << 20], _expect(region, 0, 1 << 20))
     assert (dst[1 << 20:] == SENTINEL).all()
+    assert [len(lens) for lens in syscalls] == [3, 1] * 4  # 4 windows of 256 KiB
+    check_bounds(1 << 20)
+    # Pieces of 48 KiB: the byte window (not the iovec count) closes these syscalls.
+    monkeypatch.setattr(host_mod, "IOV_MAX", 1024)
+    iov_max = 1024
+    dst.fill(SENTINEL)
+    n = 48 << 10
+    many = np.arange(20, dtype=np.uint64)
+    ret = reader.batch_transfer_sync_read(cma_peer.session, base + many * np.uint64(2 * n),
+                                          region[0] + many * np.uint64(n),
+                                          np.full(20, n, dtype=np.uint64))
+    assert ret == 0
+    assert [len(lens) for lens in syscalls] == [6, 5, 5, 4]  # windows of 256 KiB by start
+    check_bounds(20 * n)
+    # One byte over the piece cap is a piece of its own.
+    ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [region[0]], [piece + 1])
+    assert ret == 0
+    assert syscalls == [[piece, 1]]
+    check_bounds(piece + 1)
+    np.testing.assert_array_equal(dst[: piece + 1], _expect(region, 0, piece + 1))
 
 
 def test_out_of_bounds_peer_range_fails_and_leaves_destination(
@@ -703,3 +745,154 @@ def test_ptracer_is_narrow_unless_asked() -> None:
     assert host_mod.ptracer_pid("any") == host_mod._PR_SET_PTRACER_ANY
     with pytest.raises(EngineConfigError, match="SFA_RD2H_PTRACER"):
         host_mod.ptracer_pid("everyone")
+
+
+# --------------------------------------------------------------------------- test strength
+# (issue 12) Each test below states a behaviour a user relies on; each was checked to fail
+# against a single planted bug in the code it names.
+
+
+def test_a_batch_of_more_than_iov_max_separate_descriptors_reads_correctly(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    """The kernel refuses one process_vm_readv with more than 1024 iovecs (EINVAL), so a
+    layer read with more separate descriptors than that must be split into syscalls of at
+    most IOV_MAX, with the real limit (no monkeypatching)."""
+    region = cma_peer.regions["array"]
+    count, size = 3 * host_mod.IOV_MAX + 7, 64
+    dst, base = _dest(reader, count * 2 * size)
+    # A gap after every destination block: nothing coalesces, every descriptor stays one iovec.
+    local = base + np.arange(count, dtype=np.uint64) * np.uint64(2 * size)
+    order = np.random.default_rng(3).permutation(count).astype(np.uint64)
+    peer = region[0] + order * np.uint64(size)
+    sizes = np.full(count, size, dtype=np.uint64)
+    assert coalesce(local, peer, sizes)[0].size == count
+    assert reader.batch_transfer_sync_read(cma_peer.session, local, peer, sizes) == 0, (
+        reader.last_error)
+    source = pattern(*region[1:])
+    got = dst.reshape(count, 2 * size)
+    want = source[: count * size].reshape(count, size)[order.astype(np.intp)]
+    np.testing.assert_array_equal(got[:, :size], want)
+    assert (got[:, size:] == SENTINEL).all()  # the gaps stay untouched
+
+
+def _serving_pair() -> tuple[HostEngine, HostEngine, np.ndarray, int]:
+    """An owner and a reader engine in this process (CMA on our own pid is always
+    permitted): the owner serves one registered array."""
+    owner = HostEngine(mode="cma", timeout=2.0)
+    other = HostEngine(mode="cma", timeout=2.0)
+    owner.initialize("127.0.0.1")
+    src = pattern(8192, 4).copy()
+    owner.register_memory(int(src.ctypes.data), src.nbytes)
+    return owner, other, src, int(src.ctypes.data)
+
+
+def test_a_peer_that_unregisters_during_the_copy_fails_the_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes copied while the owner withdrew the region are suspect: the read must not
+    report success (the check after the copy, not only the one before it)."""
+    owner, other, src, addr = _serving_pair()
+    try:
+        dst, base = _dest(other, src.nbytes)
+        assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [4096]) == 0
+        real_copy = host_mod._copy
+
+        def copy_then_unregister(*args: Any) -> tuple[int, str]:
+            got = real_copy(*args)
+            owner.unregister_memory(addr)  # the owner withdraws it while we copy
+            return got
+
+        monkeypatch.setattr(host_mod, "_copy", copy_then_unregister)
+        ret = other.batch_transfer_sync_read(owner.session_id, [base], [addr], [4096])
+        assert ret == TransferResult.PEER_RANGE, other.last_error
+        assert "during the copy" in other.last_error
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_a_peer_that_closes_during_the_copy_fails_the_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    owner, other, src, addr = _serving_pair()
+    try:
+        dst, base = _dest(other, src.nbytes)
+        assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64]) == 0
+        real_copy = host_mod._copy
+
+        def copy_then_close(*args: Any) -> tuple[int, str]:
+            got = real_copy(*args)
+            owner.close()
+            return got
+
+        monkeypatch.setattr(host_mod, "_copy", copy_then_close)
+        ret = other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64])
+        assert ret == TransferResult.PEER_GONE, other.last_error
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_close_releases_the_registry_port() -> None:
+    """After close() nothing listens on the registry port any more: connections are
+    refused, the port can be bound again, and no socket is left for the collector."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        eng = HostEngine(mode="cma", timeout=1.0)
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
+            pass  # it listens while open
+        eng.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2.0).close()
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", port))
+        del eng
+        gc.collect()
+    leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)
+              and "socket" in str(w.message)]
+    assert leaked == []
+
+
+def test_a_peer_range_that_wraps_past_2_64_is_refused_untouched(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    """A source address + length beyond the address space is a malformed descriptor, on the
+    peer side as on the local side (uint64 arithmetic would wrap it to a small end)."""
+    dst, base = _dest(reader, 64)
+    wrap = (1 << 64) - 8
+    with pytest.raises(ValueError, match="past the end of the address space"):
+        descriptor_arrays([base], [wrap], [16])
+    ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [wrap], [16])
+    assert ret == TransferResult.BAD_DESCRIPTORS
+    assert "past the end of the address space" in reader.last_error
+    assert (dst == SENTINEL).all()
+
+
+def test_a_region_overlapping_either_neighbour_is_refused() -> None:
+    """Registration keeps regions disjoint whichever neighbour a new region runs into: the
+    one before it, the one after it, or several."""
+    eng = HostEngine()
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    a = int(buf.ctypes.data)
+    try:
+        for off in (4096, 16384, 32768):  # three regions with gaps between them
+            eng.register_memory(a + off, 4096)
+        cases = [
+            (a + 4096 + 2048, 4096),  # starts inside the first, ends in the gap
+            (a + 16384 - 100, 200),  # starts in a gap, ends inside the second
+            (a + 8192, 16384 + 100),  # starts in a gap, runs into the second
+            (a + 100, 40000),  # covers all three
+            (a + 32768 + 4095, 1),  # the last byte of the third
+        ]
+        for addr, n in cases:
+            with pytest.raises(RegistrationError, match="overlaps"):
+                eng.register_memory(addr, n)
+        eng.register_memory(a + 8192, 8192)  # the gap itself, exactly, is fine
+        eng.register_memory(a + 20480, 32768 - 20480)  # and the gap up to the third
+    finally:
+        eng.close()

@@ -453,3 +453,22 @@ def test_concat_preserves_byte_pairs(plans: list[list[tuple[int, int, int]]]) ->
     merged = concat(rps)
     assert merged.total_bytes == sum(r.total_bytes for r in rps)
     assert plan_byte_pairs(merged) == sorted(pair for r in rps for pair in plan_byte_pairs(r))
+
+
+def test_destination_address_overflow_is_refused_not_wrapped() -> None:
+    """L1 on the Decode side: a destination base near 2**64 whose block would end past the
+    address space is refused; uint64 arithmetic would wrap it onto low memory instead."""
+    src, _ = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    dst = DestLayout(((1 << 64) - 2 * 4096,), (4096,), (8,), 1, False, False)
+    plan = plan_layer_reads(src, dst, [0], [1], [], [])  # the last block that fits
+    assert plan.local_addrs.tolist() == [(1 << 64) - 4096]
+    with pytest.raises(LayoutError, match=r"main tensor 0 decode address overflows 64 bits"):
+        plan_layer_reads(src, dst, [0, 1], [1, 2], [], [])
+    # The indexer and scale tensors are checked the same way.
+    src, dst = make_pair()
+    bases = list(dst.base_addrs)
+    bases[3] = (1 << 64) - 64
+    dst = _replace_dst(dst, base_addrs=tuple(bases))
+    assert len(plan_layer_reads(src, dst, [0], [0], [0], [0])) == 4
+    with pytest.raises(LayoutError, match=r"indexer tensor 3 decode address overflows"):
+        plan_layer_reads(src, dst, [0], [0], [0], [1])

@@ -537,3 +537,72 @@ def test_an_authenticated_metaserver_refuses_requests_without_its_token(
                                token="s3cret") != 401
         monkeypatch.setenv("SFA_RD2H_METASERVER_TOKEN", "s3cret")  # the clients' default
         assert fetch_work(proxy.url, "decode", "d0", timeout=0.1) == []
+
+
+# --------------------------------------------------------------------------- test strength
+# (issue 12) Behaviour a Decode or Prefill instance observes, each checked to fail against
+# one planted bug.
+
+
+@pytest.mark.parametrize(("port", "tp"), [(65534, 2), (65535, 1), (65500, 36), (2, 65534)])
+def test_rendezvous_whose_last_rank_port_is_65535_is_accepted(port: int, tp: int) -> None:
+    """P2: base + tp - 1 is the highest port a Decode rank binds; exactly 65535 is valid,
+    over the HTTP endpoint too, and one more is refused."""
+    obj = _rdv("req-1", remote_port=port, remote_tp_size=tp).to_json()
+    assert Rendezvous.from_json(obj).remote_port == port
+    with ProxyServer(max_poll_s=0.5) as proxy:
+        proxy.submit("prompt", "d0", "p0", job_id="job")
+        assert post_rendezvous(proxy.metaserver_url, _rdv("job-0", remote_port=port,
+                                                          remote_tp_size=tp)) == 200
+        [job] = fetch_work(proxy.url, "prefill", "p0", timeout=0)
+        assert job["requests"][0]["kv_transfer_params"]["remote_port"] == port
+    obj["remote_tp_size"] = tp + 1
+    with pytest.raises(RendezvousError, match=r"exceeds 65535 \(P2\)"):
+        Rendezvous.from_json(obj)
+
+
+def test_a_long_poll_asking_for_longer_than_the_cap_returns_within_the_cap() -> None:
+    """A client asking for timeout=9999 holds a handler thread for at most max_poll_s."""
+    with ProxyServer(max_poll_s=0.5) as proxy:
+        for role in ("decode", "prefill"):
+            t0 = time.monotonic()
+            status, body = _raw(proxy.url, "GET", f"/v1/{role}_work?instance=x&timeout=9999")
+            assert (status, body) == (200, [])
+            assert time.monotonic() - t0 < 5.0
+
+
+class _PollWatch(ProxyServer):
+    """A proxy that says when a long poll has started waiting: it enters ``_take`` holding
+    the (re-entrant) lock, so whatever the test does next happens while the poll waits."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.polling = threading.Event()
+
+    def _take(self, queues: Any, instance: str, timeout: float, decode: bool) -> Any:
+        with self._cond:
+            if not decode:
+                self.polling.set()
+            return super()._take(queues, instance, timeout, decode)
+
+
+def test_a_waiting_prefill_poll_returns_as_soon_as_its_job_is_queued() -> None:
+    """C3: the last rendezvous of a job queues it for Prefill, and the Prefill long poll
+    already waiting returns at once, not at its timeout."""
+    with _PollWatch(max_poll_s=30.0) as proxy:
+        job_id = proxy.submit(["a", "b"], "d0", "p0")
+        items = fetch_work(proxy.url, "decode", "d0", timeout=0)
+        assert len(items) == 2
+        assert post_rendezvous(proxy.metaserver_url, _rdv(items[0]["request_id"])) == 200
+        got: list[Any] = []
+        poll = threading.Thread(target=lambda: got.append(
+            fetch_work(proxy.url, "prefill", "p0", timeout=20)))
+        poll.start()
+        assert proxy.polling.wait(WAIT)
+        t0 = time.monotonic()
+        assert post_rendezvous(proxy.metaserver_url, _rdv(items[1]["request_id"])) == 200
+        poll.join(WAIT)
+        elapsed = time.monotonic() - t0
+        assert not poll.is_alive() and elapsed < 5.0, elapsed
+        [[job]] = got
+        assert job["job"] == job_id and len(job["requests"]) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,30 +53,68 @@ def _decode_core() -> DecodeCore:
     return core
 
 
+@st.composite
+def readys_for_some_request(draw: st.DrawFn) -> bytes:
+    """Well-formed READYs for the registered request or for ones never registered (those
+    wait for their destinations, C1)."""
+    ext = draw(st.sampled_from(["r1", "r2", "r3"]))
+    return wire.encode(wire.ReadReadyBatch(
+        draw(st.integers(0, 3)), "l0", (wire.ReadReq(ext, (1, 2), (1, 2), 0, 0),),
+        (ext,) if draw(st.booleans()) else ()))
+
+
 @settings(max_examples=400, deadline=None)
-@given(frames=st.lists(hostile_frames(), min_size=1, max_size=6))
+@given(frames=st.lists(st.one_of(hostile_frames(), readys_for_some_request()), min_size=1,
+                       max_size=6))
 def test_decode_answers_every_identifiable_layer_exactly_once(frames):
     core = _decode_core()
+    waiting: Counter[int] = Counter()  # layers of READYs that wait for destinations (C1)
     for frame in frames:
+        before = len(core.waiting_reads())
         actions = core.on_frame("p0", frame, 0.0)  # never raises
         for a in actions:
             if isinstance(a, IssueRead):
                 actions += core.read_result(a.read_id, 0, 0.0)
-        replies = [wire.decode(a.payload) for a in actions if isinstance(a, Send)]
-        replies = [r for r in replies if isinstance(r, wire.ReadDone | wire.ReadFailed)]
+        replies = _replies(actions)
         layer = wire.layer_of(frame)
         if layer is None:
-            assert replies == []
-        elif not core.has_waiting_reads():
+            assert replies == []  # nothing to answer it with
+            assert len(core.waiting_reads()) == before
+        elif len(core.waiting_reads()) == before + 1:
+            assert replies == []  # it waits; answered when its wait ends
+            waiting[layer] += 1
+        else:
             # S3: one reply, for that layer, whatever was wrong with the rest of the frame
+            assert len(core.waiting_reads()) == before
             assert [r.layer_idx for r in replies] == [layer]
-    actions = core.tick(10.0)  # bounded waits end: no READY is left unanswered
+    # Bounded waits end: every READY still waiting gets its one READ_FAILED now (C1, S3).
+    final = _replies(core.tick(10.0))
+    assert all(isinstance(r, wire.ReadFailed) and r.error.startswith("C1:") for r in final)
+    assert Counter(r.layer_idx for r in final) == waiting
     assert not core.has_waiting_reads()
+    assert _replies(core.tick(20.0)) == []  # and exactly once
+
+
+def _replies(actions: list) -> list:
+    decoded = [wire.decode(a.payload) for a in actions if isinstance(a, Send)]
+    return [r for r in decoded if isinstance(r, wire.ReadDone | wire.ReadFailed)]
+
+
+def _replies_to_prefill(draw: st.DrawFn) -> bytes:
+    """Well-formed replies, for any layer: only one for the outstanding layer 0 counts."""
+    layer = draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        return wire.encode(wire.ReadDone(layer))
+    return wire.encode(wire.ReadFailed(layer, draw(st.text(max_size=8))))
 
 
 @settings(max_examples=300, deadline=None)
-@given(frame=hostile_frames())
+@given(frame=st.one_of(hostile_frames(), st.composite(_replies_to_prefill)()))
 def test_prefill_rejects_hostile_replies_without_changing_state(frame):
+    """A frame from Decode that is not a reply to an outstanding READY raises
+    ``ProtocolError`` (malformed, not a reply, an ack out of turn) or is counted stale (a
+    reply for a layer with no READY outstanding); either way no gate, session or request
+    changes. Only a well-formed reply for layer 0 settles layer 0's gates (S3, S4)."""
     core = PrefillCore(0, tp_mapping(1, 1), "p:1", {"l0": META}, block_size=4)
     core.add_request("r1", {"remote_host": "d", "remote_port": 7000, "remote_tp_size": 1},
                      [1], [1])
@@ -82,8 +122,28 @@ def test_prefill_rejects_hostile_replies_without_changing_state(frame):
     core.begin_layer(0, 0.0)
     core.layer_landed(0, 0.0)
     core.on_frame("d:7000", wire.RAW_ACK, 0.0)
-    before = [(g.state, set(g.pending)) for g in core.gates.values()]
+
+    def state() -> list:
+        return ([(k, g.state, set(g.pending), g.owner) for k, g in core.gates.items()]
+                + [(e, ep.session.state) for e, ep in core.endpoints.items()]
+                + sorted(core.requests))
+
+    before, stale = state(), core.stale_replies
+    assert [s for _, s, _, _ in before[:len(core.gates)]] == ["awaiting_replies"] * 2
     try:
-        core.on_frame("d:7000", frame, 0.0)
+        msg = wire.decode(frame)
     except ProtocolError:
-        assert [(g.state, set(g.pending)) for g in core.gates.values()] == before
+        msg = None
+    try:
+        actions = core.on_frame("d:7000", frame, 0.0)
+    except ProtocolError:
+        assert not isinstance(msg, wire.ReadDone | wire.ReadFailed)  # replies are accepted
+        assert state() == before and core.stale_replies == stale
+        return
+    assert isinstance(msg, wire.ReadDone | wire.ReadFailed), msg  # nothing else is
+    assert actions == []
+    if msg.layer_idx != 0:
+        assert state() == before and core.stale_replies == stale + 1
+    else:  # the one legitimate reply: the gates of layer 0 no longer wait for it
+        assert all(not g.is_pending("d:7000") for g in core.gates.values())
+        assert state() != before and core.stale_replies == stale

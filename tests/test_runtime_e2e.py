@@ -5,7 +5,9 @@ Each run checks what the demo promises - the outcome the configuration predicts,
 destination byte verified, every trace valid - and, independently of the demo's own verdict,
 the exact number of bytes moved (T2: main KV once, T3: indexer once per Decode rank), the
 terminal state of every request on every Decode rank (read back from the traces), and a clean
-shutdown: every child exited 0, no port still bound, no shared-memory file left behind."""
+shutdown: every child exited 0, no port still bound, no shared-memory file of the run left
+behind (only the run's own files are judged: their names carry its processes' pids, so other
+processes on the host may create ``sfa_rd2h.*`` files meanwhile)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ import numpy as np
 import pytest
 
 from sfa_rd2h.model_check.cluster import pattern
+from sfa_rd2h.runtime import shm
 from sfa_rd2h.runtime.tools.demo import (
     BYTES_PER_TOKEN,
     DemoConfig,
+    DemoConfigError,
     DemoResult,
     Patterns,
     add_demo_parser,
@@ -51,8 +55,10 @@ def test_patterns_are_the_model_checkers() -> None:
             assert np.array_equal(got, want)
 
 
-def _shm_files() -> set[str]:
-    return {p for p in os.listdir("/dev/shm") if p.startswith("sfa_rd2h.")}
+def _leaked(result: DemoResult) -> list[str]:
+    """/dev/shm files left by the processes of this run (parent and every rank)."""
+    assert "parent" in result.pids and len(result.pids) > 1, result.pids
+    return shm.files_of(result.pids.values())
 
 
 def _assert_port_free(port: int) -> None:
@@ -75,7 +81,6 @@ def _terminal_states(trace_dir: Path) -> dict[str, dict[str, str]]:
 
 
 def run(tmp_path: Path, **kw: object) -> tuple[DemoResult, DemoConfig, dict]:
-    before = _shm_files()
     trace_dir = tmp_path / "traces"
     cfg = DemoConfig(**{**SMALL, **kw}, trace_dir=str(trace_dir))  # type: ignore[arg-type]
     t0 = time.monotonic()
@@ -87,7 +92,7 @@ def run(tmp_path: Path, **kw: object) -> tuple[DemoResult, DemoConfig, dict]:
     for port in result.ports:
         _assert_port_free(port)
     _assert_port_free(int(result.proxy_url.rsplit(":", 1)[1]))
-    assert _shm_files() <= before
+    assert _leaked(result) == []
     # traces, validated again here rather than trusting the demo's verdict
     traces = sorted(trace_dir.glob("*.jsonl"))
     assert len(traces) == cfg.p_tp + cfg.d_tp
@@ -126,6 +131,16 @@ def test_topologies_move_every_byte(tmp_path: Path, p_tp: int, d_tp: int, indexe
     assert set(states) == {f"decode{d}" for d in range(d_tp)}
     for rank, got in states.items():
         assert got == dict.fromkeys(ids, "succeeded"), rank
+
+
+@pytest.mark.e2e
+def test_gloo_tp_group_agrees_like_the_zmq_one(tmp_path: Path) -> None:
+    """--tp-group gloo: the torch.distributed group vLLM provides, on loopback."""
+    result, cfg, states = run(tmp_path, p_tp=2, d_tp=2, tp_group="gloo")
+    assert result.ok, result.summary()
+    assert result.topology["tp_group"] == "gloo"
+    assert result.requests_ok == cfg.requests and result.bytes == expected_bytes(cfg)
+    assert all(set(got.values()) == {"succeeded"} for got in states.values())
 
 
 @pytest.mark.e2e
@@ -179,7 +194,6 @@ def test_stale_kv_is_caught_by_the_byte_verification(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_overall_timeout_kills_everything_and_says_what_was_stuck(tmp_path: Path) -> None:
-    before = _shm_files()
     t0 = time.monotonic()
     # Hundreds of MB over 16 layers: far more than half a second's work anywhere.
     cfg = DemoConfig(p_tp=2, d_tp=2, layers=16, max_tokens=4096, timeout=0.5, progress=False)
@@ -188,10 +202,13 @@ def test_overall_timeout_kills_everything_and_says_what_was_stuck(tmp_path: Path
     assert not result.ok
     assert any("timeout after 0.5s" in p for p in result.problems), result.problems
     assert any("requests never finished" in p for p in result.problems)
+    # The traces of a stopped run may be consistent as far as they go; they are still not
+    # the traces of a valid run, and --json must not say so.
+    assert not result.trace_valid and result.trace_report.startswith("incomplete")
     assert all(code is not None for code in result.exit_codes.values())  # none left running
     for port in result.ports:
         _assert_port_free(port)
-    assert _shm_files() <= before
+    assert _leaked(result) == []
 
 
 def _cli(argv: list[str]) -> argparse.Namespace:
@@ -219,3 +236,193 @@ def test_decode_port_in_use_is_reported_within_a_second(
                               "--quiet"])) == 2
         assert time.monotonic() - t0 < 1.0
     assert f"P1: Decode rank 0 port 127.0.0.1:{port} is not free" in capsys.readouterr().err
+
+
+_NOISE = r"""
+import os, select, sys
+# Another run on the same host: it keeps creating files named like ours, under its own pid.
+n = 0
+while True:
+    n += 1
+    open(f"/dev/shm/sfa_rd2h.{os.getpid()}.0badc0de.{n}", "w").close()
+    if n == 1:
+        print("started", flush=True)
+    if select.select([sys.stdin], [], [], 0.02)[0]:
+        break  # stdin closed: the test is done with us
+print(n, flush=True)
+"""
+
+
+def _dead_pid() -> int:
+    """A pid that existed a moment ago and no longer does."""
+    import subprocess
+
+    pid = subprocess.Popen(["true"]).pid
+    os.waitpid(pid, 0)  # reaped: the pid is free now
+    assert not shm.pid_alive(pid)
+    return pid
+
+
+@pytest.mark.e2e
+def test_leak_check_sees_only_this_run_and_a_start_sweeps_dead_runs(tmp_path: Path) -> None:
+    """Another process creates ``sfa_rd2h.*`` files in /dev/shm during the run; the run's
+    own leak check is not fooled by them, and the run's start removes what a crashed
+    (SIGKILLed) run left behind, but never a live process's files."""
+    import subprocess
+    import sys
+
+    dead = _dead_pid()
+    crashed = [f"sfa_rd2h.{dead}.00c0ffee.ctl", f"sfa_rd2h.demo.{dead}.00c0ffee.pool"]
+    shm.sweep_dead()  # anything older goes now, so what this run's start sweeps is ours
+    for name in crashed:
+        Path("/dev/shm", name).write_bytes(b"left by a crash")
+    noise = subprocess.Popen([sys.executable, "-c", _NOISE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert noise.stdout is not None and noise.stdout.readline() == "started\n"
+        result, _, _ = run(tmp_path, p_tp=2, d_tp=2)  # asserts nothing of this run leaked
+        assert result.ok, result.summary()
+        # Swept at the start (by this run, or by another run on the host that started first).
+        assert not any(Path("/dev/shm", name).exists() for name in crashed)
+        live = shm.files_of([noise.pid])
+        assert noise.stdin is not None
+        noise.stdin.close()
+        created = int(noise.stdout.readline())
+        assert noise.wait(30) == 0
+        assert created > 1  # it kept creating files while the demo ran ...
+        assert live and set(live) <= set(shm.files_of([noise.pid]))  # ... none was swept
+    finally:
+        if noise.poll() is None:
+            noise.kill()
+            noise.wait()
+        for name in shm.files_of([noise.pid, dead]):
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _group_pids(pgid: int) -> set[int]:
+    """Every process of a process group (what a terminal's Ctrl-C reaches)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_bytes()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(b")") + 2:].split()[2]) == pgid:
+            pids.add(int(entry))
+    return pids
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_the_demo_with_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """SIGINT to the whole process group, as a terminal sends it, pressed four times while
+    the run moves KV and shuts down: one line, exit 130, no rank left, no /dev/shm file."""
+    import selectors
+    import signal
+    import subprocess
+    import sys
+
+    # 200 layers on one slot: every layer waits for the previous one's reply, so the run
+    # lasts seconds while using little memory.
+    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.cli", "demo", "--p-tp", "2",
+           "--d-tp", "2", "--layers", "200", "--slots", "1", "--requests", "2",
+           "--timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        seen = b""
+        with selectors.DefaultSelector() as sel:  # await the progress bar: every rank is up
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            deadline = time.monotonic() + 60
+            while b"requests" not in seen:
+                assert sel.select(max(0.0, deadline - time.monotonic())), seen
+                chunk = os.read(proc.stderr.fileno(), 4096)
+                assert chunk, f"demo exited early: {seen!r}"
+                seen += chunk
+        members = _group_pids(proc.pid)
+        assert len(members) >= 5, members  # parent, fork server, four ranks
+        for _ in range(4):
+            os.killpg(proc.pid, signal.SIGINT)
+            try:  # paces the presses like a person, and returns early once it has ended
+                proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = (seen + err).decode(errors="replace")
+    lines = [seg.strip() for line in text.split("\n") for seg in [line.split("\r")[-1]]]
+    lines = [x for x in lines if x and not x.startswith("requests")]
+    assert proc.returncode == 130, text
+    assert len(lines) == 1 and lines[0].startswith("interrupted: stopped 4 rank process(es)"), \
+        lines
+    assert "nothing left in /dev/shm" in lines[0]
+    assert out == b""
+    assert shm.files_of(members) == []
+    assert _all_exit(members - {proc.pid}, within=20.0)  # fork server and ranks alike
+
+
+def _all_exit(pids: set[int], within: float) -> bool:
+    """Await the exit of processes that are not our children (a pidfd becomes readable
+    when its process ends, reaped or not)."""
+    import select
+
+    deadline = time.monotonic() + within
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone already
+        try:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return False
+        finally:
+            os.close(fd)
+    return True
+
+
+def test_sweep_removes_only_dead_processes_files_of_this_user(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    names = {
+        "dead": f"sfa_rd2h.{dead}.0a0b.1",
+        "dead_pool": f"sfa_rd2h.demo.{dead}.0a0b.pool",
+        "live": f"sfa_rd2h.{os.getpid()}.0a0b.ctl",
+        "foreign_user": f"sfa_rd2h.{dead}.0c0d.ctl",
+        "not_ours": f"other.{dead}.0a0b.1",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    other_uid = 65534 if os.getuid() != 65534 else 65533
+    if os.getuid() == 0:
+        os.chown(tmp_path / names["foreign_user"], other_uid, -1)
+        keep_foreign = True
+    else:
+        keep_foreign = False  # cannot give a file away: it is ours, and dead, so it goes
+    removed = shm.sweep_dead(str(tmp_path))
+    gone = {names["dead"], names["dead_pool"]} | (set() if keep_foreign
+                                                    else {names["foreign_user"]})
+    assert set(removed) == gone
+    assert set(os.listdir(tmp_path)) == set(names.values()) - gone
+    assert shm.files_of([os.getpid()], str(tmp_path)) == [names["live"]]
+    assert shm.owner_pid(names["dead_pool"]) == dead and shm.owner_pid("sfa_rd2h.x") is None
+
+
+def test_fork_server_preloads_torch_only_for_a_gloo_group(monkeypatch) -> None:
+    """The default demo never imports torch (it may not be installed); a gloo TP group
+    preloads it where it is installed, and is refused up front where it is not."""
+    import importlib.util
+
+    from sfa_rd2h.runtime.tools.demo import run as demo_run
+
+    assert not any(m.startswith("torch") for m in demo_run._preload(DemoConfig()))
+    assert "torch.distributed" in demo_run._preload(DemoConfig(tp_group="gloo"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    assert not any(m.startswith("torch") for m in demo_run._preload(DemoConfig(tp_group="gloo")))
+    with pytest.raises(DemoConfigError, match="--tp-group gloo needs torch"):
+        DemoConfig(tp_group="gloo").check()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfa_rd2h.spec.errors import ProtocolError, VersionMismatch, WireError
+from sfa_rd2h.spec.errors import VersionMismatch, WireError
 from sfa_rd2h.spec.wire import (
     LAYOUT_VERSION,
     MAX_BLOCK_ID,
@@ -719,14 +719,43 @@ def test_property_round_trip(msg: Any) -> None:
         assert layer_of(encode(msg)) == msg.layer_idx
 
 
+_KIND_PREFIXES = [pack([k])[1:] for k in (READ_READY_BATCH, READ_DONE, READ_FAILED, MF_META,
+                                           MF_META_ACK)]
+# Arbitrary bytes, and arbitrary bytes behind an array header and a message kind, so the
+# decoders get past the first byte and layer_of's positive path is reached.
+_arbitrary = st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda head, kind, tail: head + kind + tail,
+              st.sampled_from([b"\x92", b"\x93", b"\x95", b"\x97", b"\xdc\x00\x07"]),
+              st.sampled_from(_KIND_PREFIXES), st.binary(max_size=48)),
+)
+
+
 @FAST
-@given(st.binary(max_size=64))
+@given(_arbitrary)
 def test_property_arbitrary_bytes(data: bytes) -> None:
+    """W5: arbitrary bytes never make the decoder raise anything but a ``WireError`` that
+    names the problem (not the internal-error backstop); anything accepted round-trips;
+    ``layer_of`` never raises and names a layer only for a READY that carries it."""
     try:
-        decode(data)
-    except ProtocolError:
-        pass
-    assert layer_of(data) is None or isinstance(layer_of(data), int)
+        msg = decode(data)
+    except WireError as exc:
+        assert "internal decoder error" not in str(exc), str(exc)
+        assert str(exc)
+        msg = None
+    if msg is not None:
+        assert decode(encode(msg)) == msg
+    layer = layer_of(data)
+    if isinstance(msg, ReadReadyBatch):
+        assert layer == msg.layer_idx  # a READY that decodes is always identifiable (S3)
+    elif msg is not None:
+        assert layer is None  # anything else that decodes is not a READY
+    if layer is not None:
+        assert type(layer) is int and 0 <= layer <= MAX_LAYER_IDX
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(data)
+        assert unpacker.read_array_header() >= 2
+        assert unpacker.unpack() == READ_READY_BATCH and unpacker.unpack() == layer
 
 
 @FAST
@@ -784,3 +813,48 @@ def test_property_mutated_layer_metadata(data: st.DataObject) -> None:
     key = data.draw(st.sampled_from(sorted(layer)))
     layer[key] = data.draw(values)
     _decode_or_wire_error(_blob_frame(pack({"l0": layer})))
+
+
+# ------------------------------------------------------------------ test strength (issue 12)
+
+
+@pytest.mark.parametrize("layout_version", [0, LAYOUT_VERSION + 1, 2**32 - 1])
+def test_prefill_refuses_an_ack_of_any_other_layout_version(layout_version: int) -> None:
+    """F3 on Prefill: a Decode that accepted but speaks another layout version places bytes
+    differently; lower or higher, the handshake fails, naming both versions."""
+    frame = pack([MF_META_ACK, True, PROTOCOL_VERSION, layout_version, ""])
+    ack = decode_meta_reply(frame)
+    assert ack == MfMetaAck(True, PROTOCOL_VERSION, layout_version)
+    with pytest.raises(VersionMismatch, match=(
+            f"decode speaks layout version {layout_version}, prefill speaks {LAYOUT_VERSION}")):
+        check_meta_ack(ack)
+    check_meta_ack(MfMetaAck(True, PROTOCOL_VERSION, LAYOUT_VERSION))  # ours is fine
+    check_meta_ack(MfMetaAck(True, PROTOCOL_VERSION))  # and so is an ack without one
+
+
+def test_a_layer_named_twice_in_mf_meta_is_refused_by_name() -> None:
+    """A duplicate layer name in the MF_META map must not let the second layout silently
+    replace the first (which one Prefill meant is unknowable): a WireError naming it."""
+    first, second = meta_map(), meta_map(base_addrs=[3, 4])
+    blob = b"\x83" + b"".join(pack(k) + pack(v) for k, v in (
+        ("l0", first), ("model.layers.7", second), ("model.layers.7", first)))
+    with pytest.raises(WireError, match=re.escape("duplicate layer name 'model.layers.7'")):
+        decode(_blob_frame(blob))
+    with pytest.raises(WireError, match=re.escape("duplicate layer name 'model.layers.7'")):
+        decode_layer_metadata(blob)
+    with pytest.raises(WireError, match="duplicate layer name 'l0'"):
+        LayerTable([("l0", META_MAIN), ("l0", META_FULL)])
+    assert meta_refusal(_blob_frame(blob), "dup") is not None  # refused, and answered (W1)
+
+
+def test_encode_refuses_a_frame_over_max_frame_bytes() -> None:
+    """W5 when sending: what every receiver must refuse is never sent; just below the
+    limit is fine."""
+    ext = "x" * MAX_ID_LEN  # 1027 bytes each on the wire
+    fits = ReadReadyBatch(0, "l0", (), (ext,) * 65000)
+    frame = encode(fits)
+    assert MAX_FRAME_BYTES - (1 << 20) < len(frame) <= MAX_FRAME_BYTES
+    too_big = ReadReadyBatch(0, "l0", (), (ext,) * 65535)
+    with pytest.raises(WireError, match=(
+            r"encoded ReadReadyBatch is \d+ bytes, over MAX_FRAME_BYTES=67108864")):
+        encode(too_big)

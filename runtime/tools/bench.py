@@ -1,10 +1,10 @@
 """``sfa-rd2h bench``: the hot path timed against a baseline, in one run.
 
-ARCHITECTURE.md principle 4 says the per-layer path is cheap and to measure that rather than
-trust it. The machine these numbers come from is shared and noisy, so no benchmark reports a
-lone time: each one times the project's operation and a baseline *in the same run*, with the
-repeats interleaved (project, baseline, baseline, project, ...) so a burst of background load
-hits both, and reports the median of each and their ratio. The ratio is the number to compare
+The per-layer path must be cheap, and this measures that rather than trusting it. The
+machine these numbers come from is shared and noisy, so no benchmark reports a lone time:
+each one times the project's operation and a baseline *in the same run*, with the repeats
+interleaved (project, baseline, baseline, project, ...) so a burst of background load hits
+both, and reports the median of each and their ratio. The ratio is the number to compare
 across machines and commits; the absolute times only describe this machine today.
 
 Conventions, for every row:
@@ -510,7 +510,7 @@ def bench_host_read(sizes: Sizes, timeout: float = 120.0) -> Result:
 
     nbytes, block = sizes.read_bytes, sizes.read_block
     cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill",
-           "--engine", "host", "--bytes", str(nbytes), "--timeout", str(timeout)]
+           "--engine", "host", "--bytes", str(nbytes), "--timeout", str(timeout), "--json"]
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
         try:

@@ -13,9 +13,12 @@ CLI (wired by ``sfa-rd2h probe``; also ``python -m sfa_rd2h.runtime.tools.probe`
 
     sfa-rd2h probe --role local --engine host --bytes 256M
     sfa-rd2h probe --role prefill --engine memfabric --store-url tcp://10.0.0.1:6650 \\
-        --rendezvous /shared/probe.json
+        --rendezvous /mnt/nfs/probe.json
     sfa-rd2h probe --role decode --engine memfabric --store-url tcp://10.0.0.1:6650 \\
-        --rendezvous /shared/probe.json
+        --rendezvous /mnt/nfs/probe.json
+
+It prints a human-readable report; ``--json`` prints the machine form instead (for the
+prefill role: first the announcement line a reader needs, then the final report).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from sfa_rd2h.runtime import shm
 from sfa_rd2h.runtime.engines import (
     ENGINE_NAMES,
     EngineError,
@@ -272,14 +276,17 @@ def run_probe(
     if emit is None:
         def emit(line: str) -> None:
             print(line, flush=True)
+    if role == "decode" and info is None and not rendezvous:
+        # Checked before the engine exists: nothing to build for a call that cannot run.
+        raise ValueError("the decode endpoint needs the prefill announcement: pass "
+                         "info= (or --rendezvous FILE on the command line)")
     eng = _open_engine(engine, role, engine_kwargs)
     try:
         if role == "prefill":
             return _run_prefill(eng, engine, int(nbytes), seed, host, port, timeout, device,
                                 rendezvous, emit)
         if info is None:
-            if not rendezvous:
-                raise ValueError("decode needs the prefill announcement: info= or rendezvous=")
+            assert rendezvous is not None  # checked above
             info = _read_rendezvous(rendezvous, timeout)
         return _run_decode(eng, info, host, int(block_bytes), repeats, timeout, device)
     finally:
@@ -345,7 +352,7 @@ def run_local_probe(
     # rather than as a child that never announced itself.
     _open_engine(engine, "decode", _engine_kwargs(engine, ns)).close()
     cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill",
-           "--engine", engine, "--bytes", str(nbytes), "--host", host,
+           "--engine", engine, "--bytes", str(nbytes), "--host", host, "--json",
            "--timeout", str(timeout), "--device", device, *_engine_args(engine, ns)]
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -369,6 +376,7 @@ def run_local_probe(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            result["role"] = "local"  # both endpoints, the prefill one in a child
             result["prefill_rc"] = proc.returncode
             result["prefill_pid"] = info.get("pid")
             if proc.returncode != 0:
@@ -412,6 +420,8 @@ def _add_probe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="pattern seed")
     p.add_argument("--device", default="cpu", choices=["cpu", "npu"],
                    help="where the probe buffers live")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (prefill: the announcement line, then the report)")
     g = p.add_argument_group("host engine")
     g.add_argument("--host-mode", default="auto", choices=["auto", "cma", "shm"])
     g = p.add_argument_group("memfabric engine")
@@ -433,8 +443,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def describe(result: dict[str, Any]) -> str:
+    """A probe report for a person (``--json`` prints ``result`` itself)."""
+    role = result.get("role", "?")
+    if role == "prefill":
+        reader = result.get("reader") or {}
+        if result.get("ok"):
+            return (f"prefill ok: the reader verified every byte ({_mib(reader.get('bytes', 0))}"
+                    f" at {reader.get('gbps', 0):.2f} GB/s); served from {result['session']}")
+        why = result.get("error") or reader.get("error") or "the reader reported a failure"
+        return f"prefill FAILED: {why}"
+    engine = result.get("engine", "?") + (f" ({result['mode']})" if "mode" in result else "")
+    head = f"probe {role}: {engine} engine, {_mib(result.get('bytes', 0))} from " \
+           f"{result.get('peer', '?')}"
+    if not result.get("ok"):
+        return f"{head}\nFAILED: {result.get('error', 'unknown error')}"
+    seconds = result.get("seconds", [])
+    return (f"{head}\n"
+            f"  {result.get('descriptors', 0)} descriptors per read, {len(seconds)} read(s), "
+            f"every byte verified each time\n"
+            f"  median {result['median_s'] * 1e3:.2f} ms = {result['gbps']:.2f} GB/s\nOK")
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
-    """Run the probe as the CLI asked; prints the report as one JSON line. 0 = verified."""
+    """Run the probe as the CLI asked; prints the report (``--json``: one JSON line per
+    report, the prefill role's announcement first). 0 = verified, 1 = failed, 2 = could not
+    run."""
+    if args.role == "decode" and not args.rendezvous:
+        print("probe failed: --role decode needs --rendezvous FILE, the file the --role "
+              "prefill endpoint writes its announcement to", file=sys.stderr)
+        return 2
+    as_json = getattr(args, "json", False)
+    shm.sweep_dead()  # what a crashed earlier probe or run left in /dev/shm
+
+    def announce(line: str) -> None:
+        if as_json:
+            print(line, flush=True)
+            return
+        info = json.loads(line)
+        where = f"; announcement in {args.rendezvous}" if args.rendezvous else ""
+        print(f"prefill: serving {_mib(info['nbytes'])} on the {info['engine']} engine at "
+              f"{info['session']}; waiting up to {args.timeout:g}s for a decode reader{where}",
+              flush=True)
+
     try:
         if args.role == "local":
             result = run_local_probe(args.engine, args.bytes, repeats=args.repeats,
@@ -445,11 +500,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
                                block_bytes=args.block_bytes, repeats=args.repeats,
                                rendezvous=args.rendezvous, host=args.host, port=args.port,
                                timeout=args.timeout, seed=args.seed, device=args.device,
-                               engine_kwargs=_engine_kwargs(args.engine, args))
+                               engine_kwargs=_engine_kwargs(args.engine, args), emit=announce)
     except (EngineError, RuntimeError, TimeoutError, ValueError) as exc:
         print(f"probe failed: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result), flush=True)
+    print(json.dumps(result) if as_json else describe(result), flush=True)
     return 0 if result.get("ok") else 1
 
 

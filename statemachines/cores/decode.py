@@ -388,13 +388,15 @@ class DecodeCore:
                 _dest_slice(req.main_dest, e.main_dest_start, len(e.p_main_block_ids), "main")
             main_src.append(e.p_main_block_ids[lo:hi])
             main_dst.append(_dest_slice(req.main_dest, e.main_dest_start + lo, hi - lo, "main"))
-            lo, hi = cut.indexer
-            _dest_slice(req.indexer_dest, e.indexer_dest_start, n_idx, "indexer")
-            idx_src.append(e.p_indexer_block_ids[lo:hi])
-            idx_dst.append(_dest_slice(req.indexer_dest, e.indexer_dest_start + lo, hi - lo,
-                                       "indexer"))
+            if n_idx:  # a layer without indexer reads none, wherever the chunk starts
+                lo, hi = cut.indexer
+                _dest_slice(req.indexer_dest, e.indexer_dest_start, n_idx, "indexer")
+                idx_src.append(e.p_indexer_block_ids[lo:hi])
+                idx_dst.append(_dest_slice(req.indexer_dest, e.indexer_dest_start + lo,
+                                           hi - lo, "indexer"))
+        empty = np.zeros(0, dtype=np.int64)
         return plan_layer_reads(src, dst, _join(main_src), np.concatenate(main_dst),
-                                _join(idx_src), np.concatenate(idx_dst))
+                                _join(idx_src), np.concatenate(idx_dst or [empty]))
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result

@@ -315,7 +315,11 @@ class PrefillCore:
                 and g.is_pending(endpoint)]
 
     def _on_reply(self, endpoint: str, layer_idx: int, error: str | None) -> None:
-        matches = self._match_reply(endpoint, layer_idx)
+        # S5: a reply counts only on an established session; before the MF_META ack no
+        # READY of this session was sent, so nothing can have been answered yet.
+        ep = self.endpoints[endpoint]
+        matches = self._match_reply(endpoint, layer_idx) \
+            if ep.session.state == "established" else []
         if not matches:
             self.stale_replies += 1
             return

@@ -17,16 +17,22 @@ Processes and what stands in for vLLM:
 * **Prefill rank 0** is the scheduler: it long-polls for prefill work (a prompt list arrives
   once every sub-request has its rendezvous, C3), allocates source blocks and forms steps of
   chunked prefill (each active request advances by ``chunk_tokens`` per step). Every Prefill
-  rank runs the same steps. KV caches are ordinary torch CPU tensors registered with the
-  engine by address; per layer a rank waits for the slot (S1), writes the pattern bytes of
-  every block of the step, and queues the send with its device event (C4; CPU: none).
-* Decode ranks agree on terminal status over a real process group (gloo on loopback for
-  ``d_tp > 1``) once per round (R1, R2), then each rank verifies every destination byte of
-  every successful request against the pattern.
+  rank runs the same steps. KV caches are plain numpy host buffers registered with the
+  engine by address (no torch needed); per layer a rank waits for the slot (S1), writes the
+  pattern bytes of every block of the step, and queues the send with its device event (C4;
+  CPU: none).
+* Decode ranks agree on terminal status over a real TP group (for ``d_tp > 1``: ZMQ on
+  loopback by default, or ``--tp-group gloo`` over torch.distributed) once per round
+  (R1, R2), then each rank verifies every destination byte of every successful request
+  against the pattern.
 
-The ranks are forked from a multiprocessing fork server that imported torch once (a clean,
-single-threaded process, never this multi-threaded parent), so six ranks start in about a
-second instead of each paying torch's import. The parent enforces one overall timeout (on
+The ranks are forked from a multiprocessing fork server that imported the runtime once (a
+clean, single-threaded process, never this multi-threaded parent), so six ranks start in
+about a second instead of each paying the imports. Their stderr goes to per-rank log files
+(``--verbose``: to the terminal), so third-party library logs stay out of the progress bar;
+a failed run shows each log's tail. Every ``/dev/shm`` file of a run carries the pid of the
+process that made it (``runtime.shm``): a start removes the files of dead processes, and a
+Ctrl-C stops the run with everything cleaned up. The parent enforces one overall timeout (on
 expiry it stops the children - SIGTERM so they close their engines and traces, SIGKILL after
 a grace period - and says what was stuck), validates every process's trace with
 ``trace.validate`` and prints a summary. ``seconds``/``gbps`` cover submission to the last

@@ -7,11 +7,17 @@ import json
 import sys
 from typing import Any
 
+from sfa_rd2h.runtime import shm
 from sfa_rd2h.runtime.engines import (
     ENGINE_NAMES,
 )
 from sfa_rd2h.runtime.tools.demo.run import run_demo
-from sfa_rd2h.runtime.tools.demo.workload import INJECTIONS, DemoConfig, DemoConfigError
+from sfa_rd2h.runtime.tools.demo.workload import (
+    INJECTIONS,
+    TP_GROUPS,
+    DemoConfig,
+    DemoConfigError,
+)
 
 
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,8 +56,14 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="Decode base port (default: a free span)")
     p.add_argument("--host", default=d.host, help="loopback or host address to use")
     p.add_argument("--trace-dir", default=None, help="keep the JSON-lines traces here")
+    p.add_argument("--tp-group", choices=TP_GROUPS, default=d.tp_group,
+                   help="how Decode ranks agree on terminal status: zmq (default, no torch "
+                        "needed) or gloo (torch.distributed, as inside vLLM)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true",
+                   help="let the ranks' stderr (engine library logs) through; by default it "
+                        "goes to a log file, and its tail is shown only if the run fails")
     p.set_defaults(func=cmd_demo)
     return p
 
@@ -64,12 +76,13 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         timeout=args.timeout, kv_port=args.kv_port, trace_dir=args.trace_dir,
         block_tokens=args.block_tokens,
         chunk_tokens=args.chunk_tokens, max_tokens=args.max_tokens, host=args.host,
-        seed=args.seed, progress=not (args.json or args.quiet))
+        seed=args.seed, progress=not (args.json or args.quiet), tp_group=args.tp_group,
+        verbose=args.verbose)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Exit 0: outcome as predicted, every byte verified, traces valid; 1: otherwise;
-    2: invalid configuration (the message names the rule)."""
+    2: invalid configuration (the message names the rule); 130: interrupted (Ctrl-C)."""
     try:
         result = run_demo(config_from_args(args))
     except DemoConfigError as exc:
@@ -79,12 +92,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         keys = ("ok", "requests_ok", "requests_failed", "bytes", "seconds", "gbps",
                 "rtt_p50_ms", "rtt_p99_ms", "verified", "trace_valid", "topology")
         out = {k: getattr(result, k) for k in keys}
-        out.update(inject=result.inject, expectation=result.expectation,
+        out.update(interrupted=result.interrupted, inject=result.inject,
+                   expectation=result.expectation,
                    expectation_met=result.expectation_met,
                    prefill_gate_errors=result.prefill_gate_errors,
                    failed_requests=result.failed_requests, problems=result.problems)
         print(json.dumps(out))
-    else:
+    elif not result.interrupted:
         print(result.summary())
+    if result.interrupted:
+        left = shm.files_of(result.pids.values())
+        where = f"left in /dev/shm: {left}" if left else "nothing left in /dev/shm"
+        print(f"interrupted: stopped {len(result.exit_codes)} rank process(es); {where}",
+              file=sys.stderr)
+        return 130
     return 0 if result.ok else 1
 

@@ -160,7 +160,7 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         post_rendezvous,
         report_finished,
     )
-    from sfa_rd2h.runtime.tp_group import GlooTpGroup, SingleRankGroup, TpGroup
+    from sfa_rd2h.runtime.tp_group import SingleRankGroup, TpGroup
     from sfa_rd2h.statemachines.cores.decode import DecodeCore
 
     cfg = plan.cfg
@@ -180,9 +180,16 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         core = DecodeCore(rank, cfg.d_tp, mem.dest, destination_wait=min(30.0, cfg.timeout),
                           request_deadline=cfg.timeout, observer=tracer)
         group: TpGroup
-        if cfg.d_tp > 1:
-            group = GlooTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.gloo_port}",
+        if cfg.d_tp > 1 and cfg.tp_group == "gloo":
+            from sfa_rd2h.runtime.tp_group import GlooTpGroup
+
+            group = GlooTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.tp_port}",
                                 timeout=cfg.timeout)
+        elif cfg.d_tp > 1:
+            from sfa_rd2h.runtime.zmq_tp_group import ZmqTpGroup
+
+            group = ZmqTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.tp_port}",
+                               timeout=cfg.timeout)
         else:
             group = SingleRankGroup()
         stack.callback(close_quietly, group.close)

@@ -23,31 +23,29 @@ from sfa_rd2h.spec.topology import tp_mapping
 
 
 class _PrefillKv:
-    """Per slot, one torch CPU tensor per cache tensor, registered with the engine."""
+    """Per slot, one host buffer per cache tensor, registered with the engine by address.
+
+    Plain numpy memory, so the demo needs no torch: the engines see only addresses and
+    lengths, exactly what a torch tensor's ``tensor_region`` would give them."""
 
     def __init__(self, plan: Plan, engine: TransferEngine) -> None:
-        import torch
-
         self.tbytes = plan.tbytes
         self.slots: list[list[np.ndarray]] = []
-        self._keep: list[Any] = []
         shm_only = getattr(engine, "mode", None) == "shm"
         for _ in range(plan.cfg.slots):
             row = []
             for nbytes in self.tbytes:
                 if shm_only:
                     # Fallback: a shm-mode host engine serves only memory it allocated.
-                    _, arr = engine.allocate(plan.p_blocks * nbytes)  # type: ignore[attr-defined]
-                    t = torch.from_numpy(arr).view(plan.p_blocks, nbytes)
+                    _, flat = engine.allocate(plan.p_blocks * nbytes)  # type: ignore[attr-defined]
+                    arr = flat.reshape(plan.p_blocks, nbytes)
                 else:
-                    from sfa_rd2h.runtime.engines import tensor_region
-
-                    # zeros, as vLLM allocates its caches: every page is faulted in now, not
-                    # during the first layer's scatter
-                    t = torch.zeros((plan.p_blocks, nbytes), dtype=torch.uint8)
-                    engine.register_memory(*tensor_region(t))
-                self._keep.append(t)
-                row.append(t.numpy())
+                    arr = np.empty((plan.p_blocks, nbytes), dtype=np.uint8)
+                    # zeros written now, as vLLM allocates its caches: every page is faulted
+                    # in here, not during the first layer's scatter (np.zeros would not)
+                    arr.fill(0)
+                    engine.register_memory(int(arr.ctypes.data), arr.nbytes)
+                row.append(arr)
             self.slots.append(row)
 
     def bases(self, slot: int) -> tuple[int, ...]:

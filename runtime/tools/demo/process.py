@@ -28,9 +28,10 @@ class Plan:
     d_blocks: int
     proxy_url: str
     base_port: int
-    gloo_port: int
+    tp_port: int  # rank 0 of the Decode TP group listens here (ZMQ or gloo)
     pool_path: str
     trace_dir: str
+    log_dir: str | None = None  # None: children write to our stderr (--verbose)
 
     @property
     def n(self) -> int:
@@ -78,14 +79,29 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the ranks' cleanup (engines, traces)
 
 
+def _log_to_file(log_dir: str, name: str) -> None:
+    """Point this process's fd 2 at ``log_dir/name.log``: third-party libraries (Mooncake's
+    glog ``E…``/``W…`` lines) write there from C++, and would otherwise run through the
+    parent's progress bar."""
+    fd = os.open(os.path.join(log_dir, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def run_child(fn: Any, name: str, plan: Plan, rank: int, conn: Connection, *args: Any) -> None:
     """Entry point of every child: report any failure to the parent, exit non-zero."""
-    # Everything imported before the fork (torch alone is ~170k objects) is permanent for
-    # this process: freezing it keeps full collections from walking it mid-transfer
-    # (measured: 60-180 ms pauses per rank on a 2-core box, the whole p99 round-trip tail).
-    gc.freeze()
-    child_logging(name)
+    # A terminal's Ctrl-C reaches the whole process group; the parent alone decides how the
+    # run ends (SIGTERM to every rank), so a rank is never interrupted inside its cleanup.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Everything imported before the fork is permanent for this process: freezing it keeps
+    # full collections from walking it mid-transfer (measured with torch preloaded: 60-180 ms
+    # pauses per rank on a 2-core box, the whole p99 round-trip tail).
+    gc.freeze()
+    if plan.log_dir is not None:
+        _log_to_file(plan.log_dir, name)
+    child_logging(name)
     chan = Channel(conn)
     try:
         fn(plan, rank, chan, *args)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import secrets
+import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -17,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from sfa_rd2h.runtime import shm
 from sfa_rd2h.runtime.engines import (
     EngineError,
     make_engine,
@@ -25,7 +30,6 @@ from sfa_rd2h.runtime.tools.demo.decode_rank import decode_rank
 from sfa_rd2h.runtime.tools.demo.prefill_rank import prefill_rank
 from sfa_rd2h.runtime.tools.demo.process import Plan, run_child
 from sfa_rd2h.runtime.tools.demo.workload import (
-    SHM_DIR,
     DemoConfig,
     DemoConfigError,
     Workload,
@@ -66,6 +70,9 @@ class DemoResult:
     processes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-rank counters
     startup_seconds: float = 0.0  # spawning the processes until every one is ready
     wall_seconds: float = 0.0  # the whole run, start-up, verification and shutdown included
+    pids: dict[str, int] = field(default_factory=dict)  # parent and every rank: their shm names
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT); everything was still cleaned up
+    swept: list[str] = field(default_factory=list)  # dead runs' /dev/shm files removed at start
 
     def summary(self) -> str:
         topo = self.topology
@@ -164,31 +171,75 @@ class _Abort(Exception):
     pass
 
 
-# Imported once by the fork server; every rank process forks from it, so six ranks do not
-# each pay torch's import (seconds of CPU on a small machine).
+# Imported once by the fork server; every rank process forks from it, so the ranks do not
+# each pay the imports (seconds of CPU on a small machine).
 _PRELOAD = ["sfa_rd2h.runtime.tools.demo.prefill_rank", "sfa_rd2h.runtime.tools.demo.decode_rank",
             "sfa_rd2h.runtime.control", "sfa_rd2h.runtime.metaserver",
-            "torch", "torch.distributed"]
+            "sfa_rd2h.runtime.zmq_tp_group"]
+# Only a gloo TP group needs torch; preloading it otherwise costs every run seconds, and
+# where torch is not installed the preload must not name it at all.
+_TORCH_PRELOAD = ["torch", "torch.distributed"]
 
 
-def _mp_context() -> Any:
+def _preload(cfg: DemoConfig) -> list[str]:
+    wants_torch = cfg.tp_group == "gloo" and importlib.util.find_spec("torch") is not None
+    return _PRELOAD + (_TORCH_PRELOAD if wants_torch else [])
+
+
+def _mp_context(cfg: DemoConfig) -> Any:
     """Separate OS processes started from a clean, single-threaded fork server (never a fork
     of this multi-threaded parent); plain spawn where the platform has no fork server."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(_preload(cfg))
         return ctx
     return mp.get_context("spawn")
 
 
+class _CtrlC:
+    """SIGINT during a run. The first press stops the run where the parent is (a
+    ``KeyboardInterrupt``); presses after that, and any press once cleanup has begun, are
+    only counted, so the cleanup - children stopped, /dev/shm files removed - always runs
+    to the end, however often Ctrl-C is pressed."""
+
+    def __init__(self) -> None:
+        self.presses = 0
+        self.armed = True
+        self._previous: Any = None
+        self._installed = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.presses += 1
+        if self.armed and self.presses == 1:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _CtrlC:
+        # Signal handlers belong to the main thread; elsewhere (a test's worker thread) the
+        # caller's own handling stays as it is.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def run_demo(cfg: DemoConfig) -> DemoResult:
-    """Run the whole deployment; raises ``DemoConfigError`` for an invalid configuration."""
+    """Run the whole deployment; raises ``DemoConfigError`` for an invalid configuration.
+
+    A Ctrl-C (SIGINT) stops the run cleanly: the result then says ``interrupted``, every
+    child is stopped and every /dev/shm file of the run is removed before this returns."""
     from sfa_rd2h.runtime.metaserver import ProxyServer
     from sfa_rd2h.statemachines.trace import validate
 
     cfg.check()
     if cfg.kv_port is not None:
         _check_ports_free(cfg.host, cfg.kv_port, cfg.d_tp)
+    # What a crashed (SIGKILLed) earlier run left in /dev/shm goes now; live runs' files,
+    # named by live pids, stay (runtime.shm).
+    swept = shm.sweep_dead()
     try:  # fail here, with the engine's own message, if it cannot exist on this machine
         make_engine(cfg.engine, **engine_kwargs(cfg, "decode")).close()
     except EngineError as exc:
@@ -205,152 +256,200 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 "scale": cfg.indexer and cfg.scale, "engine": cfg.engine,
                 "host_mode": cfg.host_mode if cfg.engine == "host" else None,
                 "base_port": base_port, "requests": cfg.requests,
-                "block_tokens": cfg.block_tokens, "chunk_tokens": cfg.chunk_tokens}
+                "block_tokens": cfg.block_tokens, "chunk_tokens": cfg.chunk_tokens,
+                "tp_group": cfg.tp_group}
 
-    tmp = tempfile.mkdtemp(prefix="sfa-rd2h-demo-")
-    trace_dir = cfg.trace_dir or os.path.join(tmp, "traces")
-    os.makedirs(trace_dir, exist_ok=True)
-    for old in Path(trace_dir).glob("*.jsonl"):
-        old.unlink()  # a stale trace from another run would be validated with this one
-    pool_path = os.path.join(SHM_DIR if os.path.isdir(SHM_DIR) else tmp,
-                             f"sfa_rd2h.demo.{os.getpid()}.{secrets.token_hex(4)}.pool")
-    d_blocks = total_blocks + 1
-    with open(pool_path, "wb") as f:
-        f.truncate(cfg.layers * d_blocks * (tb[0] + tb[1]))
-    proxy = ProxyServer(cfg.host)
-    proxy_url = proxy.start()
-    plan = Plan(cfg, work.index, work.tokens, work.victim, total_blocks + 1, d_blocks,
-                 proxy_url, base_port, _free_port(cfg.host), pool_path, trace_dir)
-    ctx = _mp_context()
     procs: list[_Proc] = []
     problems: list[str] = []
     finished: dict[str, bool] = {}
     t_start = t_ready = t_submit = t_last = time.monotonic()
     deadline = t_start + cfg.timeout
     bar = None
-    try:
-        d_links = [ctx.Pipe(duplex=False) for _ in range(cfg.d_tp - 1)]  # (recv, send)
-        p_links = [ctx.Pipe(duplex=False) for _ in range(cfg.p_tp - 1)]
-        for role, tp, links, fn in (("decode", cfg.d_tp, d_links, decode_rank),
-                                    ("prefill", cfg.p_tp, p_links, prefill_rank)):
-            for r in range(tp):
-                mine, theirs = ctx.Pipe()
-                peers = [s for _, s in links] if r == 0 else []
-                inbox = links[r - 1][0] if r > 0 else None
-                name = f"{role}{r}"
-                proc = ctx.Process(target=run_child, name=name, daemon=True,
-                                   args=(fn, name, plan, r, theirs, peers, inbox))
-                proc.start()
-                theirs.close()
-                procs.append(_Proc(name, proc, mine))
-        for link in (*d_links, *p_links):
-            link[0].close()
-            link[1].close()
-
-        def drain(p: _Proc) -> None:
-            while not p.eof and p.conn.poll():
-                try:
-                    msg = p.conn.recv()
-                except EOFError:
-                    p.eof = True  # the sentinel says how it ended
-                    return
-                handle(p, msg)
-
-        def pump(until: Any, stage: str) -> None:
-            while not until():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise _Abort(f"timeout after {cfg.timeout:g}s while {stage}")
-                live = {p.conn: p for p in procs if not p.eof}
-                sentinels = {p.proc.sentinel: p for p in procs if not p.exited}
-                for obj in wait([*live, *sentinels], timeout=remaining):
-                    if obj in live:
-                        drain(live[obj])
-                        continue
-                    p = sentinels[obj]
-                    drain(p)  # a report sent just before exiting is still in the pipe
-                    p.proc.join(1.0)
-                    p.exited = True
-                    if p.report is None or p.proc.exitcode != 0:
-                        raise _Abort(f"{p.name} exited with code {p.proc.exitcode} "
-                                     f"while {stage}")
-
-        def handle(p: _Proc, msg: tuple) -> None:
-            nonlocal t_last
-            kind = msg[0]
-            if kind == "ready":
-                p.ready = True
-            elif kind == "finished":
-                finished[msg[1]] = msg[2]
-                t_last = time.monotonic()
-                if bar is not None:
-                    bar.update(1)
-            elif kind == "report":
-                p.report = msg[1]
-            elif kind == "error":
-                raise _Abort(f"{p.name} failed:\n{msg[1]}")
-
-        pump(lambda: all(p.ready for p in procs), "starting processes")
-        t_ready = time.monotonic()
-        from tqdm import tqdm
-
-        bar = tqdm(total=plan.n, desc="requests", unit="req", disable=not cfg.progress,
-                   file=sys.stderr, leave=False)
-        t_submit = time.monotonic()
-        # read-failure: the victim's job arrives once every other request finished, so the
-        # failure visibly hits its prefill step only (see the module docstring).
-        late = [j for j in work.jobs if work.victim in {f"{j[0]}-{k}" for k in range(len(j[1]))}]
-        for job_id, prompts in work.jobs:
-            if (job_id, prompts) not in late:
-                proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
-        if late:
-            n_late = len(late[0][1])
-            pump(lambda: len(finished) >= plan.n - n_late, "moving KV")
-            proxy.submit(late[0][1], "decode-0", "prefill-0", job_id=late[0][0])
-        pump(lambda: len(finished) >= plan.n, "moving KV")
-        pump(lambda: all(p.report is not None for p in procs), "collecting reports")
-        for p in procs:
-            if p.name.startswith("decode"):
-                p.conn.send(("stop",))
-        join_deadline = time.monotonic() + 10.0
-        for p in procs:
-            p.proc.join(max(0.0, join_deadline - time.monotonic()))
-            if p.proc.exitcode != 0:
-                problems.append(f"{p.name} exited with code {p.proc.exitcode}")
-    except _Abort as exc:
-        problems.append(str(exc))
-        problems += _stuck(procs, finished, plan, proxy)
-    finally:
-        if bar is not None:
-            bar.close()
-        _stop_children(procs)
-        proxy.close()
+    proxy: Any = None
+    plan: Plan | None = None
+    pool_path = ""
+    tmp = tempfile.mkdtemp(prefix="sfa-rd2h-demo-")
+    log_dir = None if cfg.verbose else os.path.join(tmp, "logs")
+    trace_dir = cfg.trace_dir or os.path.join(tmp, "traces")
+    ctrl_c = _CtrlC()
+    with ctrl_c:
         try:
-            os.unlink(pool_path)
-        except FileNotFoundError:
-            pass
+            os.makedirs(trace_dir, exist_ok=True)
+            if log_dir is not None:
+                os.makedirs(log_dir)
+            for old in Path(trace_dir).glob("*.jsonl"):
+                old.unlink()  # a stale trace from another run would be validated with this one
+            shm_dir = shm.SHM_DIR if os.path.isdir(shm.SHM_DIR) else tmp
+            pool_path = os.path.join(
+                shm_dir, f"{shm.PREFIX}demo.{os.getpid()}.{secrets.token_hex(4)}.pool")
+            d_blocks = total_blocks + 1
+            with open(pool_path, "wb") as f:
+                f.truncate(cfg.layers * d_blocks * (tb[0] + tb[1]))
+            proxy = ProxyServer(cfg.host)
+            proxy_url = proxy.start()
+            plan = Plan(cfg, work.index, work.tokens, work.victim, total_blocks + 1, d_blocks,
+                        proxy_url, base_port, _free_port(cfg.host), pool_path, trace_dir,
+                        log_dir)
+            ctx = _mp_context(cfg)
+            d_links = [ctx.Pipe(duplex=False) for _ in range(cfg.d_tp - 1)]  # (recv, send)
+            p_links = [ctx.Pipe(duplex=False) for _ in range(cfg.p_tp - 1)]
+            for role, tp, links, fn in (("decode", cfg.d_tp, d_links, decode_rank),
+                                        ("prefill", cfg.p_tp, p_links, prefill_rank)):
+                for r in range(tp):
+                    mine, theirs = ctx.Pipe()
+                    peers = [s for _, s in links] if r == 0 else []
+                    inbox = links[r - 1][0] if r > 0 else None
+                    name = f"{role}{r}"
+                    proc = ctx.Process(target=run_child, name=name, daemon=True,
+                                       args=(fn, name, plan, r, theirs, peers, inbox))
+                    proc.start()
+                    theirs.close()
+                    procs.append(_Proc(name, proc, mine))
+            for link in (*d_links, *p_links):
+                link[0].close()
+                link[1].close()
 
+            def drain(p: _Proc) -> None:
+                while not p.eof and p.conn.poll():
+                    try:
+                        msg = p.conn.recv()
+                    except EOFError:
+                        p.eof = True  # the sentinel says how it ended
+                        return
+                    handle(p, msg)
+
+            def pump(until: Any, stage: str) -> None:
+                while not until():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise _Abort(f"timeout after {cfg.timeout:g}s while {stage}")
+                    live = {p.conn: p for p in procs if not p.eof}
+                    sentinels = {p.proc.sentinel: p for p in procs if not p.exited}
+                    for obj in wait([*live, *sentinels], timeout=remaining):
+                        if obj in live:
+                            drain(live[obj])
+                            continue
+                        p = sentinels[obj]
+                        drain(p)  # a report sent just before exiting is still in the pipe
+                        p.proc.join(1.0)
+                        p.exited = True
+                        if p.report is None or p.proc.exitcode != 0:
+                            raise _Abort(f"{p.name} exited with code {p.proc.exitcode} "
+                                         f"while {stage}")
+
+            def handle(p: _Proc, msg: tuple) -> None:
+                nonlocal t_last
+                kind = msg[0]
+                if kind == "ready":
+                    p.ready = True
+                elif kind == "finished":
+                    finished[msg[1]] = msg[2]
+                    t_last = time.monotonic()
+                    if bar is not None:
+                        bar.update(1)
+                elif kind == "report":
+                    p.report = msg[1]
+                elif kind == "error":
+                    raise _Abort(f"{p.name} failed:\n{msg[1]}")
+
+            pump(lambda: all(p.ready for p in procs), "starting processes")
+            t_ready = time.monotonic()
+            from tqdm import tqdm
+
+            bar = tqdm(total=plan.n, desc="requests", unit="req", disable=not cfg.progress,
+                       file=sys.stderr, leave=False)
+            t_submit = time.monotonic()
+            # read-failure: the victim's job arrives once every other request finished, so
+            # the failure visibly hits its prefill step only (see the module docstring).
+            late = [j for j in work.jobs
+                    if work.victim in {f"{j[0]}-{k}" for k in range(len(j[1]))}]
+            for job_id, prompts in work.jobs:
+                if (job_id, prompts) not in late:
+                    proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
+            if late:
+                n_late = len(late[0][1])
+                pump(lambda: len(finished) >= plan.n - n_late, "moving KV")
+                proxy.submit(late[0][1], "decode-0", "prefill-0", job_id=late[0][0])
+            pump(lambda: len(finished) >= plan.n, "moving KV")
+            pump(lambda: all(p.report is not None for p in procs), "collecting reports")
+            for p in procs:
+                if p.name.startswith("decode"):
+                    p.conn.send(("stop",))
+            join_deadline = time.monotonic() + 10.0
+            for p in procs:
+                p.proc.join(max(0.0, join_deadline - time.monotonic()))
+                if p.proc.exitcode != 0:
+                    problems.append(f"{p.name} exited with code {p.proc.exitcode}")
+        except _Abort as exc:
+            problems.append(str(exc))
+            if plan is not None and proxy is not None:
+                problems += _stuck(procs, finished, plan, proxy)
+        except KeyboardInterrupt:
+            problems.append("interrupted (Ctrl-C)")
+        finally:
+            ctrl_c.armed = False  # from here on a Ctrl-C cannot cut the cleanup short
+            if bar is not None:
+                bar.close()
+            _stop_children(procs)
+            if proxy is not None:
+                proxy.close()
+            if pool_path:
+                Path(pool_path).unlink(missing_ok=True)
+        interrupted = ctrl_c.presses > 0
+        pids = {"parent": os.getpid(),
+                **{p.name: p.proc.pid for p in procs if p.proc.pid is not None}}
+        result = _judge(cfg, work, plan, procs, finished, problems, trace_dir, validate,
+                        t_last - t_submit, topology, interrupted)
+        result.trace_dir = cfg.trace_dir
+        result.exit_codes = {p.name: p.proc.exitcode for p in procs}
+        result.ports = ports
+        result.proxy_url = plan.proxy_url if plan is not None else ""
+        result.startup_seconds = round(t_ready - t_start, 3)
+        result.wall_seconds = round(time.monotonic() - t_start, 3)
+        result.pids = pids
+        result.interrupted = interrupted
+        result.swept = swept
+        if not result.ok and log_dir is not None:
+            result.problems += _log_tails(log_dir, procs)
+        if cfg.trace_dir is None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return result
+
+
+def _judge(cfg: DemoConfig, work: Workload, plan: Plan | None, procs: list[_Proc],
+           finished: dict[str, bool], problems: list[str], trace_dir: str, validate: Any,
+           seconds: float, topology: dict[str, Any], interrupted: bool) -> DemoResult:
+    """Validate every process's trace and assess the outcome against the prediction."""
     traces = sorted(str(p) for p in Path(trace_dir).glob("*.jsonl"))
     report = validate(traces)
-    if len(traces) != len(procs):
+    if len(traces) != len(procs) and not interrupted:
         problems.append(f"{len(traces)} trace file(s) for {len(procs)} processes")
-    if report.unclosed:
+    if report.unclosed and not interrupted:
         problems.append(f"traces not closed cleanly: {report.unclosed}")
     trace_valid = report.ok and not report.unclosed and len(traces) == len(procs)
-    result = _assess(cfg, work, plan, procs, finished, trace_valid, report.summary(), problems,
-                     t_last - t_submit, topology)
-    result.trace_dir = cfg.trace_dir
-    result.exit_codes = {p.name: p.proc.exitcode for p in procs}
-    result.ports = ports
-    result.proxy_url = proxy_url
-    result.startup_seconds = round(t_ready - t_start, 3)
-    result.wall_seconds = round(time.monotonic() - t_start, 3)
-    if cfg.trace_dir is None:
-        for t in traces:
-            os.unlink(t)
-        os.rmdir(trace_dir)
-    os.rmdir(tmp)
-    return result
+    if plan is None:  # stopped before anything started
+        return DemoResult(ok=False, requests_ok=0, requests_failed=0, bytes=0, seconds=0.0,
+                          gbps=0.0, rtt_p50_ms=None, rtt_p99_ms=None, verified=False,
+                          trace_valid=False, topology=topology, inject=cfg.inject,
+                          trace_report="not run", problems=problems)
+    return _assess(cfg, work, plan, procs, finished, trace_valid, report.summary(), problems,
+                   seconds, topology)
+
+
+def _log_tails(log_dir: str, procs: list[_Proc], lines: int = 5) -> list[str]:
+    """The last lines each child wrote to its stderr log, for a run that failed."""
+    out = []
+    for p in procs:
+        path = Path(log_dir) / f"{p.name}.log"
+        try:
+            text = path.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text:
+            tail = "\n    ".join(text.splitlines()[-lines:])
+            out.append(f"{p.name} stderr (last {lines} lines):\n    {tail}")
+    return out
 
 
 def _stop_children(procs: list[_Proc], grace: float = 3.0) -> None:
@@ -369,8 +468,8 @@ def _stop_children(procs: list[_Proc], grace: float = 3.0) -> None:
         p.conn.close()
         if p.proc.exitcode != 0 and p.proc.pid is not None:
             # A rank that did not finish cleanly may not have closed its engine.
-            for leaked in Path(SHM_DIR).glob(f"sfa_rd2h.{p.proc.pid}.*"):
-                leaked.unlink(missing_ok=True)
+            for leaked in shm.files_of([p.proc.pid]):
+                Path(shm.SHM_DIR, leaked).unlink(missing_ok=True)
 
 
 def _stuck(procs: list[_Proc], finished: dict[str, bool], plan: Plan,
@@ -403,6 +502,11 @@ def _assess(cfg: DemoConfig, work: Workload, plan: Plan, procs: list[_Proc],
     decode = [reports.get(f"decode{d}") for d in range(cfg.d_tp)]
     prefill = [reports.get(f"prefill{p}") for p in range(cfg.p_tp)]
     complete = all(r is not None for r in decode + prefill)
+    if not complete:
+        # Traces of a run that stopped early can be consistent as far as they go, but they
+        # do not show a valid run: never report them as valid.
+        trace_valid = False
+        trace_summary = f"incomplete (the run did not finish): {trace_summary}"
     outcomes = [r["outcomes"] for r in decode if r is not None]
     agree = bool(outcomes) and all(o == outcomes[0] for o in outcomes) and \
         set(outcomes[0]) == set(plan.index)

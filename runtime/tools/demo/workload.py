@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +16,13 @@ from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.topology import decode_base_port, tp_mapping
 
 INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv")
+#: How the Decode ranks agree on terminal status (R1, R2): over ZMQ (no torch needed), or
+#: over a torch.distributed gloo group (needs torch; what runs inside vLLM).
+TP_GROUPS = ("zmq", "gloo")
 # Bytes per token of each tensor, in wire order: main K and V (256 x bf16 each), the
 # indexer key (128 x int8) and its LIC8 scale (one fp32 per token).
 BYTES_PER_TOKEN = (512, 512, 128, 4)
 _INV13 = 157  # 13 * 157 = 2041 = 8 * 255 + 1: the inverse of 13 modulo 255
-SHM_DIR = "/dev/shm"
 
 
 class DemoConfigError(ValueError):
@@ -82,6 +85,8 @@ class DemoConfig:
     host: str = "127.0.0.1"
     seed: int = 0
     progress: bool = True
+    tp_group: str = "zmq"
+    verbose: bool = False  # children's stderr (third-party library logs) to ours, not a file
 
     @property
     def inject_layer(self) -> int:
@@ -99,6 +104,11 @@ class DemoConfig:
             raise DemoConfigError(f"unknown engine {self.engine!r}; known: {ENGINE_NAMES}")
         if self.inject not in INJECTIONS:
             raise DemoConfigError(f"unknown injection {self.inject!r}; known: {INJECTIONS}")
+        if self.tp_group not in TP_GROUPS:
+            raise DemoConfigError(f"unknown TP group {self.tp_group!r}; known: {TP_GROUPS}")
+        if self.tp_group == "gloo" and importlib.util.find_spec("torch") is None:
+            raise DemoConfigError("--tp-group gloo needs torch (torch.distributed), which is "
+                                  "not installed; the default --tp-group zmq does not")
         for name, lo in (("layers", 1), ("slots", 1), ("requests", 1), ("block_tokens", 1)):
             if getattr(self, name) < lo:
                 raise DemoConfigError(f"--{name.replace('_', '-')} must be >= {lo}")

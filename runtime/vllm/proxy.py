@@ -1,0 +1,726 @@
+"""The D-first disaggregation proxy in front of real vLLM OpenAI servers (C1, C3, F1).
+
+A client's ``POST /v1/completions`` goes to a Decode server first, with
+``kv_transfer_params = {do_remote_prefill: true, do_remote_decode: false, metaserver: URL}``
+(the upstream vllm-ascend "layerwise" shape) and a fresh ``X-Request-Id``, so vLLM names the
+completion's sub-requests ``cmpl-<id>-<i>``, one per prompt of a prompt list. Decode's
+connector allocates the destination blocks and posts a rendezvous
+(:class:`~sfa_rd2h.runtime.metaserver.Rendezvous`, ``request_id`` = that sub-request name,
+with or without vLLM's internal ``-<8 hex>`` suffix) to this proxy's ``POST /v1/metaserver``.
+Once every sub-request has posted (C3), the proxy sends the completion once to a Prefill
+server: the same prompt(s) in the same order under the same ``X-Request-Id`` (so both
+connectors derive the same external ids), ``max_tokens=1``, and ``kv_transfer_params`` built
+by :func:`prefill_params` from the rendezvous. Prefill pushes the KV layer by layer; Decode's
+response is streamed back to the client.
+
+Failures reach the client as HTTP errors, never a hang: a Prefill that answers an error or
+cannot be reached, a rendezvous that does not complete within ``rendezvous_timeout_s``, or a
+request that outlives ``request_timeout_s`` aborts the Decode request (closing its HTTP
+stream; vLLM aborts a request whose client went away, so Decode frees its blocks) and the
+client gets 502/504 (or, once a stream has started, an SSE error event). A Decode error is
+forwarded with Decode's own status and body, and the Prefill requests still running are
+cancelled.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/metaserver`` (200 ``{"status": "ok"}`` at
+once - it does not hold Decode's POST while Prefill runs -, 400 bad body, 404 unknown id,
+409 a different rendezvous after dispatch; the same contract as the threaded
+:class:`~sfa_rd2h.runtime.metaserver.ProxyServer`, so ``post_rendezvous`` and its F1 retry
+semantics apply), ``GET /v1/models`` (Decode's), ``GET /health`` and ``GET /healthcheck``,
+``GET /v1/proxy/jobs`` (timings of recent completions).
+
+Run it standalone::
+
+    python -m sfa_rd2h.runtime.vllm.proxy --port 8000 \\
+        --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import json
+import logging
+import re
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sfa_rd2h.runtime.metaserver import Rendezvous, RendezvousError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024  # token-id prompt lists are large; a request body is capped
+MAX_ERROR_BODY = 64 * 1024  # how much of a backend's error body is forwarded
+# vLLM 0.32 names the engine request of prompt i of a completion `cmpl-<X-Request-Id>-<i>`
+# and appends `-<8 hex>` internally; a connector may post either form.
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+# Keys dropped from the Prefill copy of a request: Prefill computes the prompt's KV and one
+# token, never a stream nor several sequences.
+_PREFILL_DROP = ("stream_options", "min_completion_tokens", "n", "best_of")
+
+
+class ProxyError(Exception):
+    """An error answered to the client with ``status`` (OpenAI error body)."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
+        self.status = status
+        self.err_type = err_type
+        super().__init__(message)
+
+
+def error_body(status: int, message: str, err_type: str) -> dict[str, Any]:
+    """The OpenAI/vLLM error object, so clients parse proxy errors like server errors."""
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+def _error(status: int, message: str, err_type: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message, err_type), status_code=status)
+
+
+def split_prompt(prompt: Any) -> list[Any]:
+    """The sub-prompts of a completion's ``prompt``: one for a string or a token-id list,
+    one per element for a list of strings or of token-id lists (C3)."""
+
+    def token_ids(value: Any) -> bool:
+        return (isinstance(value, list) and bool(value)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+    if isinstance(prompt, str) and prompt:
+        return [prompt]
+    if token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) and p for p in prompt):
+            return list(prompt)
+        if all(token_ids(p) for p in prompt):
+            return list(prompt)
+    raise ProxyError(400, "'prompt' must be a non-empty string, a list of token ids, or a "
+                          "non-empty list of those")
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port[/]`` -> ``http://host:port``."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http(s) URL or host:port, got {url!r}")
+    return url
+
+
+@dataclass
+class _Failure:
+    status: int
+    message: str
+    err_type: str
+
+
+@dataclass
+class _Job:
+    """One client completion: its sub-requests, their rendezvous and the backend calls."""
+
+    xrid: str
+    body: dict[str, Any]
+    prompts: list[Any]
+    decode: str
+    prefill: str
+    created: float
+    deadline: float
+    failure: asyncio.Future[_Failure]
+    rendezvous: list[dict[str, Any] | None] = field(default_factory=list)
+    parsed: list[Rendezvous | None] = field(default_factory=list)
+    dispatched: bool = False
+    prefill_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+    reaper: asyncio.TimerHandle | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    outcome: str = "running"
+
+    @property
+    def sub_ids(self) -> list[str]:
+        return [f"cmpl-{self.xrid}-{i}" for i in range(len(self.prompts))]
+
+    def fail(self, status: int, message: str, err_type: str = "ServiceUnavailableError") -> None:
+        """First failure wins; everyone racing against ``failure`` wakes up."""
+        if not self.failure.done():
+            log.warning("proxy: completion %s failed: %s", self.xrid, message)
+            self.failure.set_result(_Failure(status, message, err_type))
+
+    def record(self) -> dict[str, Any]:
+        t0 = self.created
+
+        def ms(key: str) -> float | None:
+            return None if key not in self.times else round((self.times[key] - t0) * 1e3, 2)
+
+        return {"id": f"cmpl-{self.xrid}", "prompts": len(self.prompts),
+                "decode": self.decode, "prefill": self.prefill, "outcome": self.outcome,
+                "rendezvous_ms": ms("rendezvous"), "prefill_done_ms": ms("prefill_done"),
+                "decode_headers_ms": ms("decode_headers"), "done_ms": ms("done")}
+
+
+class DisaggProxy:
+    """The proxy/metaserver as an ASGI app served by uvicorn.
+
+    ``start()`` serves on a background thread (for tests and ``sfa-rd2h vllm-demo``) and
+    returns the base URL; ``serve()`` runs in the caller's event loop (the command line).
+    ``close(timeout)`` fails every in-flight completion with 503, stops uvicorn and joins the
+    thread, all within one deadline.
+    """
+
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        rendezvous_timeout_s: float = 60.0,
+        request_timeout_s: float = 300.0,
+        prefill_retries: int = 2,
+        max_body: int = MAX_BODY_BYTES,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("at least one Prefill and one Decode server are required")
+        if rendezvous_timeout_s <= 0 or request_timeout_s <= 0 or prefill_retries < 0:
+            raise ValueError("timeouts must be > 0 and prefill_retries >= 0")
+        shown = advertise_host or host
+        try:
+            wildcard = ipaddress.ip_address(shown).is_unspecified
+        except ValueError:
+            wildcard = False  # a host name
+        if wildcard:
+            # Decode posts to the metaserver URL; a wildcard is not an address it can reach.
+            raise ValueError(f"{shown!r} is a wildcard: pass advertise_host, the address "
+                             "Decode servers reach this proxy at")
+        self.prefill = [normalize_url(u) for u in prefill]
+        self.decode = [normalize_url(u) for u in decode]
+        self._host, self._port = host, port
+        self._shown = f"[{shown}]" if ":" in shown else shown
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.prefill_retries = prefill_retries
+        self.max_body = max_body
+        self._rr_prefill = itertools.cycle(range(len(self.prefill)))
+        self._rr_decode = itertools.cycle(range(len(self.decode)))
+        self._jobs: dict[str, _Job] = {}
+        self._subs: dict[str, tuple[_Job, int]] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=1024)
+        self._client: httpx.AsyncClient | None = None
+        self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: socket.socket | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self.url = ""
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def metaserver_url(self) -> str:
+        """Where Decode's connector posts its rendezvous."""
+        return f"{self.url}/v1/metaserver"
+
+    def _bind(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, self._port))
+        sock.listen(512)
+        sock.setblocking(False)
+        self._sock = sock
+        # Bound before serving, so the metaserver URL handed to Decode is known and final.
+        self.url = f"http://{self._shown}:{sock.getsockname()[1]}"
+        return sock
+
+    def _uvicorn(self) -> uvicorn.Server:
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=5, access_log=False)
+        self._server = uvicorn.Server(config)
+        return self._server
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Serve on a background thread; return the base URL once it accepts requests."""
+        if self._thread is not None:
+            raise RuntimeError("DisaggProxy can be started once")
+        sock = self._bind()
+        server = self._uvicorn()
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                        name="sfa-proxy", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            self.close(5.0)
+            raise TimeoutError(f"proxy did not start within {timeout}s")
+        return self.url
+
+    async def serve(self) -> None:
+        """Serve in the running event loop until interrupted (uvicorn handles signals)."""
+        sock = self._bind()
+        log.warning("proxy serving on %s (metaserver %s)", self.url, self.metaserver_url)
+        await self._uvicorn().serve(sockets=[sock])
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving within ``timeout`` seconds in all: in-flight completions get 503, the
+        backend calls are cancelled (which aborts them on the servers), uvicorn stops."""
+        deadline = time.monotonic() + timeout
+        server, thread, loop = self._server, self._thread, self._loop
+        if loop is not None and loop.is_running():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._begin_shutdown)
+        if server is not None:
+            server.config.timeout_graceful_shutdown = max(1, int(timeout / 2))
+            server.should_exit = True
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic() - 1.0))
+            if thread.is_alive() and server is not None:
+                server.force_exit = True  # stop waiting for connections; lifespan is skipped
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.error("proxy: server thread still alive %.1fs after close", timeout)
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> DisaggProxy:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _begin_shutdown(self) -> None:
+        self._closing = True
+        for job in list(self._jobs.values()):
+            job.fail(503, "the proxy is shutting down")
+            for task in job.prefill_tasks:
+                task.cancel()
+
+    # ------------------------------------------------------------------ the app
+
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            self._loop = asyncio.get_running_loop()
+            # trust_env=False: an http_proxy from the environment must not divert calls to
+            # the cluster's own servers (same reason as runtime.metaserver's clients).
+            self._client = httpx.AsyncClient(
+                trust_env=False, timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),
+                limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
+            self._started.set()
+            try:
+                yield
+            finally:
+                self._begin_shutdown()
+                await self._client.aclose()
+
+        app = FastAPI(lifespan=lifespan, title="sfa-rd2h D-first proxy")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            try:
+                return await self._completions(request)
+            except ProxyError as exc:
+                return _error(exc.status, str(exc), exc.err_type)
+
+        @app.post("/v1/metaserver")
+        async def metaserver(request: Request) -> Response:
+            try:
+                body = json.loads(await request.body())
+                rdv = Rendezvous.from_json(body)
+            except (ValueError, RendezvousError) as exc:
+                return JSONResponse({"error": str(exc)}, status_code=400)
+            status, payload = self._rendezvous(rdv, body)
+            return JSONResponse(payload, status_code=status)
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            assert self._client is not None
+            try:
+                resp = await self._client.get(f"{self.decode[0]}/v1/models", timeout=10.0)
+            except httpx.HTTPError as exc:
+                return _error(502, f"decode {self.decode[0]} unreachable: {exc}", "BadGateway")
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type"))
+
+        @app.get("/health")
+        @app.get("/healthcheck")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "prefill_instances": len(self.prefill),
+                    "decode_instances": len(self.decode)}
+
+        @app.get("/v1/proxy/jobs")
+        async def jobs() -> list[dict[str, Any]]:
+            return list(self._recent)
+
+        return app
+
+    # ------------------------------------------------------------------ completions
+
+    async def _completions(self, request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > self.max_body:
+            raise ProxyError(413, f"body of {len(raw)} bytes exceeds {self.max_body}")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise ProxyError(400, f"body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "body must be a JSON object")
+        if body.get("kv_transfer_params") is not None:
+            raise ProxyError(400, "kv_transfer_params are set by the proxy, not the client")
+        if body.get("n", 1) != 1 or body.get("best_of") not in (None, 1) \
+                or body.get("use_beam_search"):
+            # One KV transfer serves one sequence per prompt.
+            raise ProxyError(400, "n, best_of and beam search must be 1 / off behind the "
+                                  "disaggregation proxy")
+        prompts = split_prompt(body.get("prompt"))
+        if self._closing:
+            raise ProxyError(503, "the proxy is shutting down", "ServiceUnavailableError")
+        job = self._new_job(body, prompts)
+        try:
+            return await self._run(job, request)
+        except BaseException:
+            self._close_job(job, "error", cancel_prefill=True)
+            raise
+
+    def _new_job(self, body: dict[str, Any], prompts: list[Any]) -> _Job:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        job = _Job(
+            xrid=uuid.uuid4().hex, body=body, prompts=prompts,
+            decode=self.decode[next(self._rr_decode)],
+            prefill=self.prefill[next(self._rr_prefill)],
+            created=now, deadline=now + self.request_timeout_s,
+            failure=loop.create_future(),
+            rendezvous=[None] * len(prompts), parsed=[None] * len(prompts))
+        self._jobs[job.xrid] = job
+        for i, sub in enumerate(job.sub_ids):
+            self._subs[sub] = (job, i)
+        job.timer = loop.call_later(self.rendezvous_timeout_s, self._rendezvous_expired, job)
+        # Backstop for a response that is never iterated (client gone before the body
+        # started): nothing is registered past the deadline.
+        job.reaper = loop.call_at(job.deadline + 1.0, self._reap, job)
+        return job
+
+    def _reap(self, job: _Job) -> None:
+        job.fail(504, "request deadline passed", "GatewayTimeout")
+        self._close_job(job, "reaped at the deadline", cancel_prefill=True)
+
+    def _rendezvous_expired(self, job: _Job) -> None:
+        if not job.dispatched:
+            got = sum(r is not None for r in job.parsed)
+            job.fail(504, f"only {got} of {len(job.prompts)} sub-requests posted a rendezvous "
+                          f"within {self.rendezvous_timeout_s}s (C3)", "GatewayTimeout")
+
+    async def _run(self, job: _Job, request: Request) -> Response:
+        assert self._client is not None
+        loop = asyncio.get_running_loop()
+        d_body = dict(job.body)
+        d_body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                        "metaserver": self.metaserver_url}
+        d_req = self._client.build_request(
+            "POST", f"{job.decode}/v1/completions", json=d_body,
+            headers=self._headers(request, job.xrid))
+        d_task = asyncio.ensure_future(self._client.send(d_req, stream=True))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            done, _ = await asyncio.wait({d_task, job.failure, gone},
+                                         timeout=max(0.0, job.deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if d_task not in done:
+            # Cancelling the call closes the connection: vLLM aborts the request on Decode.
+            d_task.cancel()
+            resp = await _settle(d_task)
+            if resp is not None:
+                await resp.aclose()
+            if gone in done:
+                self._close_job(job, "client gone", cancel_prefill=True)
+                return Response(status_code=499)
+            job.fail(504, f"no answer from decode {job.decode} within "
+                          f"{self.request_timeout_s}s", "GatewayTimeout")
+            failure = job.failure.result()
+            self._close_job(job, failure.message, cancel_prefill=True)
+            return _error(failure.status, failure.message, failure.err_type)
+        try:
+            resp = d_task.result()
+        except httpx.HTTPError as exc:
+            message = f"decode {job.decode} unreachable: {type(exc).__name__}: {exc}"
+            job.fail(502, message, "BadGateway")
+            self._close_job(job, message, cancel_prefill=True)
+            return _error(502, message, "BadGateway")
+        job.times["decode_headers"] = loop.time()
+        if resp.status_code != 200:
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as exc:
+                data = json.dumps(error_body(502, f"decode {job.decode} answered "
+                                             f"{resp.status_code}, body lost: {exc}",
+                                             "BadGateway")).encode()
+            finally:
+                await resp.aclose()
+            job.fail(resp.status_code, f"decode answered {resp.status_code}")
+            self._close_job(job, f"decode {resp.status_code}", cancel_prefill=True)
+            return Response(data[:MAX_ERROR_BODY], status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        streaming = bool(job.body.get("stream"))
+        return StreamingResponse(self._forward(job, resp, streaming), status_code=200,
+                                 media_type=resp.headers.get("content-type"))
+
+    async def _forward(self, job: _Job, resp: httpx.Response,
+                       streaming: bool) -> AsyncIterator[bytes]:
+        """Decode's body, chunk by chunk. Until the first chunk a failure (e.g. Prefill
+        failed, so the KV never comes) ends the stream with an error event; after it, the KV
+        has landed and Decode's answer stands."""
+        loop = asyncio.get_running_loop()
+        chunks = resp.aiter_raw()
+        outcome = "ok"
+        first = not streaming  # a non-streamed 200 is already Decode's final answer
+        try:
+            while True:
+                nxt = asyncio.ensure_future(chunks.__anext__())
+                waiters: set[asyncio.Future[Any]] = {nxt}
+                if not first:
+                    waiters.add(job.failure)
+                done, _ = await asyncio.wait(waiters,
+                                             timeout=max(0.0, job.deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if nxt in done:
+                    try:
+                        chunk = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    except httpx.HTTPError as exc:
+                        outcome = f"decode stream broke: {exc}"
+                        yield _sse_error(502, outcome, "BadGateway")
+                        break
+                    first = True
+                    yield chunk
+                    continue
+                nxt.cancel()
+                await _settle(nxt)
+                failure = (job.failure.result() if job.failure.done()
+                           else _Failure(504, "request deadline passed", "GatewayTimeout"))
+                outcome = failure.message
+                yield _sse_error(failure.status, failure.message, failure.err_type)
+                break
+        finally:
+            await resp.aclose()
+            job.times["done"] = loop.time()
+            # Decode answered: Prefill calls still running (its 1-token answer can trail
+            # Decode's) finish on their own, bounded by the deadline; on a failure they are
+            # no longer needed.
+            self._close_job(job, outcome, cancel_prefill=outcome != "ok")
+
+    def _headers(self, request: Request, request_id: str) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        auth = request.headers.get("authorization")
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    def _close_job(self, job: _Job, outcome: str, *, cancel_prefill: bool) -> None:
+        if self._jobs.get(job.xrid) is not job:
+            return
+        if job.timer is not None:
+            job.timer.cancel()
+        job.outcome = outcome
+        pending = [t for t in job.prefill_tasks if not t.done()]
+        if cancel_prefill:
+            for task in pending:
+                task.cancel()
+        if pending and not cancel_prefill:
+            # Keep the rendezvous routable until Prefill answered (a retried POST from a
+            # slow Decode must not see 404 while its request is still being served).
+            gathered = asyncio.gather(*pending, return_exceptions=True)
+            gathered.add_done_callback(lambda _: self._forget(job))
+        else:
+            self._forget(job)
+
+    def _forget(self, job: _Job) -> None:
+        if self._jobs.pop(job.xrid, None) is None:
+            return
+        if job.reaper is not None:
+            job.reaper.cancel()
+        for sub in job.sub_ids:
+            self._subs.pop(sub, None)
+        self._recent.append(job.record())
+
+    # ------------------------------------------------------------------ metaserver
+
+    def _find(self, request_id: str) -> tuple[_Job, int] | None:
+        hit = self._subs.get(request_id)
+        if hit is None and (m := _INTERNAL_SUFFIX.search(request_id)):
+            hit = self._subs.get(request_id[: m.start()])
+        return hit
+
+    def _rendezvous(self, rdv: Rendezvous, raw: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        hit = self._find(rdv.request_id)
+        if hit is None:
+            return 404, {"error": f"unknown request_id {rdv.request_id!r}"}
+        job, i = hit
+        if job.failure.done():
+            return 409, {"error": f"request_id {rdv.request_id!r}: the completion already "
+                                  f"failed: {job.failure.result().message}"}
+        if job.dispatched:
+            if job.parsed[i] != rdv:
+                # Prefill already has the first one; changing it now would split the request
+                # between two Decode endpoints.
+                return 409, {"error": f"request_id {rdv.request_id!r}: a different rendezvous "
+                                      "was already dispatched to Prefill"}
+            return 200, {"status": "ok", "duplicate": True}
+        # Before dispatch the latest rendezvous wins (e.g. a Decode that retried).
+        job.parsed[i] = rdv
+        # Unknown keys travel on to Prefill (W4-style extension); the validated ones win.
+        job.rendezvous[i] = {**raw, **rdv.to_json()}
+        if all(p is not None for p in job.parsed):  # C3: every sub-request, then once
+            loop = asyncio.get_running_loop()
+            job.dispatched = True
+            job.times["rendezvous"] = loop.time()
+            if job.timer is not None:
+                job.timer.cancel()
+            job.prefill_tasks = [asyncio.ensure_future(self._prefill(job))]
+            job.prefill_tasks[0].add_done_callback(
+                lambda _: job.times.setdefault("prefill_done", loop.time()))
+        return 200, {"status": "ok"}
+
+    def _prefill_body(self, job: _Job) -> dict[str, Any]:
+        body = {k: v for k, v in job.body.items() if k not in _PREFILL_DROP}
+        body.update(max_tokens=1, min_tokens=1, stream=False,
+                    kv_transfer_params=prefill_params(job.rendezvous))  # type: ignore[arg-type]
+        if "max_completion_tokens" in job.body:
+            body["max_completion_tokens"] = 1
+        return body
+
+    async def _prefill(self, job: _Job) -> None:
+        """The completion's one Prefill call: the client's prompt(s) in the client's order,
+        under Decode's ``X-Request-Id``, so vLLM names every sub-request on Prefill as it did
+        on Decode (``cmpl-<id>-<i>``) and both connectors derive the same external ids."""
+        assert self._client is not None
+        loop = asyncio.get_running_loop()
+        url = f"{job.prefill}/v1/completions"
+        try:
+            body = self._prefill_body(job)
+        except ValueError as exc:
+            job.fail(502, str(exc), "BadGateway")
+            return
+        for attempt in range(self.prefill_retries + 1):
+            remaining = job.deadline - loop.time()
+            if remaining <= 0:
+                job.fail(504, f"prefill {job.prefill}: deadline passed", "GatewayTimeout")
+                return
+            try:
+                resp = await self._client.post(url, json=body, timeout=remaining,
+                                               headers={"X-Request-Id": job.xrid})
+            except httpx.ConnectError as exc:
+                # Not connected means not delivered: retrying cannot run the prompt twice.
+                if attempt < self.prefill_retries:
+                    log.info("proxy: prefill %s attempt %d: %s", url, attempt + 1, exc)
+                    await asyncio.sleep(0.05 * 2 ** attempt)  # backoff, not a wait for state
+                    continue
+                job.fail(502, f"prefill {job.prefill} unreachable: {exc}", "BadGateway")
+                return
+            except httpx.HTTPError as exc:
+                job.fail(502, f"prefill {job.prefill} failed: {type(exc).__name__}: {exc}",
+                         "BadGateway")
+                return
+            if resp.status_code != 200:
+                job.fail(502, f"prefill {job.prefill} answered {resp.status_code}: "
+                              f"{resp.text[:500]}", "BadGateway")
+            return
+
+
+# The fields that name the Decode endpoint: one completion is served by one Decode instance,
+# so every sub-request's rendezvous carries the same ones.
+_ENDPOINT_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
+                  "remote_pcp_size", "remote_dcp_size")
+
+
+def prefill_params(rendezvous: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``kv_transfer_params`` of a completion's Prefill call, from its sub-requests'
+    rendezvous (in prompt order).
+
+    One prompt: exactly the rendezvous Decode posted. A prompt list shares one
+    ``kv_transfer_params`` among its sub-requests on Prefill, so the flat fields are the
+    common endpoint plus the smallest ``remote_cached_tokens`` (sending a block Decode
+    already holds is harmless, skipping one it needs is not), and ``rendezvous`` maps each
+    sub-request's ``request_id`` to its own rendezvous for a connector that reads it.
+    ``ValueError`` if the sub-requests name different Decode endpoints.
+    """
+    first = dict(rendezvous[0])
+    if len(rendezvous) == 1:
+        return first
+    for r in rendezvous[1:]:
+        for key in _ENDPOINT_KEYS:
+            if r.get(key) != first.get(key):
+                raise ValueError(
+                    f"sub-requests of one completion posted different Decode endpoints "
+                    f"({key}: {first.get(key)!r} vs {r.get(key)!r})")
+    first["remote_cached_tokens"] = min(int(r.get("remote_cached_tokens") or 0)
+                                        for r in rendezvous)
+    first["rendezvous"] = {str(r["request_id"]): dict(r) for r in rendezvous}
+    return first
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so the next ASGI message
+    is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _settle(task: asyncio.Future[Any]) -> Any:
+    """Wait for a cancelled task to unwind; its result if it finished first, else None."""
+    try:
+        return await task
+    except (asyncio.CancelledError, Exception):  # only unwinding here; the caller decides
+        return None
+
+
+def _sse_error(status: int, message: str, err_type: str) -> bytes:
+    # vLLM's own mid-stream error shape: an error event, then [DONE].
+    return (f"data: {json.dumps(error_body(status, message, err_type))}\n\n"
+            "data: [DONE]\n\n").encode()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sfa_rd2h.runtime.vllm.proxy",
+        description="D-first disaggregation proxy and metaserver in front of vLLM servers.")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--advertise-host", default=None,
+                        help="address Decode servers reach this proxy at (required with a "
+                             "wildcard --host)")
+    parser.add_argument("--prefill", nargs="+", required=True, help="Prefill server URLs")
+    parser.add_argument("--decode", nargs="+", required=True, help="Decode server URLs")
+    parser.add_argument("--rendezvous-timeout", type=float, default=60.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    proxy = DisaggProxy(args.prefill, args.decode, host=args.host, port=args.port,
+                        advertise_host=args.advertise_host,
+                        rendezvous_timeout_s=args.rendezvous_timeout,
+                        request_timeout_s=args.request_timeout)
+    asyncio.run(proxy.serve())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""``sfa-rd2h mutation`` (issue 12): staging, the report's arithmetic and the catalog of
+equivalent mutants, without running mutmut (a run takes minutes to an hour)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from sfa_rd2h.runtime.tools import mutation
+from sfa_rd2h.runtime.tools.mutation import Mutant, build_report, change_of, parse_mutant_name
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_mutant_names_map_to_file_and_function() -> None:
+    assert parse_mutant_name("sfa_rd2h.spec.wire.x_decode__mutmut_3") == (
+        "spec/wire.py", "decode")
+    assert parse_mutant_name("sfa_rd2h.runtime.tp_group.xǁTpGroupǁ_remember__mutmut_12") == (
+        "runtime/tp_group.py", "TpGroup._remember")
+    assert parse_mutant_name("sfa_rd2h.runtime.engines.host.x__copy__mutmut_1") == (
+        "runtime/engines/host.py", "_copy")
+    assert parse_mutant_name(
+        "sfa_rd2h.runtime.tp_group.xǁGlooTpGroupǁ__init____mutmut_7") == (
+        "runtime/tp_group.py", "GlooTpGroup.__init__")
+
+
+def test_targets_are_the_issue_files_minus_the_test_double() -> None:
+    files = mutation.target_files(REPO)
+    for f in ("runtime/control.py", "runtime/engines/host.py", "runtime/engines/base.py",
+              "runtime/metaserver.py", "statemachines/trace.py", "runtime/tp_group.py",
+              "spec/wire.py", "spec/layout.py"):
+        assert f in files
+    assert "runtime/engines/fake_memfabric.py" not in files
+    assert mutation.target_files(REPO, ["runtime/tp_group.py"]) == ["runtime/tp_group.py"]
+    assert all((REPO / t).is_file() for t in mutation.TEST_FILES)
+
+
+def _diff(old: str, new: str) -> str:
+    return f"--- a\n+++ b\n@@ -1,2 +1,2 @@\n def f():\n-    {old}\n+    {new}\n"
+
+
+def test_score_excludes_recorded_equivalents_and_lists_survivors_by_place() -> None:
+    mutants = [
+        Mutant("sfa_rd2h.spec.wire.x_decode__mutmut_1", "spec/wire.py", "decode", "killed"),
+        Mutant("sfa_rd2h.spec.wire.x_decode__mutmut_2", "spec/wire.py", "decode", "timeout"),
+        Mutant("sfa_rd2h.spec.wire.x_decode__mutmut_3", "spec/wire.py", "decode", "survived"),
+        Mutant("sfa_rd2h.spec.wire.x_encode__mutmut_1", "spec/wire.py", "encode", "no tests"),
+        Mutant("sfa_rd2h.spec.layout.x_plan__mutmut_1", "spec/layout.py", "plan", "survived"),
+        Mutant("sfa_rd2h.spec.layout.x_plan__mutmut_2", "spec/layout.py", "plan",
+               "not checked"),
+    ]
+    diffs = {m.name: _diff("return a", f"return b{i}") for i, m in enumerate(mutants)}
+    equivalents = [
+        {"file": "spec/layout.py", "function": "plan", "change": ["-return a", "+return b4"],
+         "reason": "b4 equals a here"},
+        {"file": "spec/wire.py", "function": "gone", "change": ["-x", "+y"],
+         "reason": "the code it was about changed"},
+    ]
+    report = build_report(mutants, equivalents, lambda m: diffs[m.name])
+    assert (report.detected, report.undetected, report.not_run) == (2, 2, 1)
+    assert report.score == 0.5
+    assert [s["mutant"] for s in report.survivors] == [
+        "sfa_rd2h.spec.wire.x_decode__mutmut_3", "sfa_rd2h.spec.wire.x_encode__mutmut_1"]
+    assert [e["reason"] for e in report.equivalent] == ["b4 equals a here"]
+    assert [e["function"] for e in report.stale_equivalents] == ["gone"]
+    assert report.files["spec/layout.py"] == {"equivalent": 1, "not checked": 1}
+    assert report.files["spec/wire.py"] == {"killed": 1, "timeout": 1, "survived": 1,
+                                            "no tests": 1}
+    text = mutation.format_report(report)
+    assert text.startswith("mutation score 50.0%: 2 detected, 2 not detected, 1 equivalent")
+    assert re.search(r"spec/wire.py\n    decode: 1\n      x_decode__mutmut_3 \(survived\)\n"
+                     r"        -return a\n        \+return b2", text), text
+    assert "stale entries" in text
+
+
+def test_change_ignores_headers_and_indentation() -> None:
+    assert change_of(_diff("if a  >  b:", "if a >= b:")) == ["-if a  >  b:", "+if a >= b:"]
+
+
+def test_stage_lays_out_the_package_under_its_import_name(tmp_path: Path) -> None:
+    stage = tmp_path / "stage"
+    files = ["runtime/tp_group.py"]
+    mutation.stage(REPO, stage, files, mutation.TEST_FILES, fresh=False)
+    assert (stage / "sfa_rd2h/runtime/tp_group.py").read_bytes() == (
+        REPO / "runtime/tp_group.py").read_bytes()
+    assert (stage / "tests/test_tp_group.py").is_file()
+    assert not list(stage.rglob("__pycache__"))
+    config = (stage / "pyproject.toml").read_text()
+    assert config.count("[tool.mutmut]") == 1 and "[tool.pytest.ini_options]" in config
+    assert 'only_mutate = ["sfa_rd2h/runtime/tp_group.py"]' in config
+    assert 'process_isolation = "forkserver"' in config
+    assert (stage / "hooks/sitecustomize.py").is_file()
+    assert (stage / "hooks/sfa_rd2h_mutation_plugin.py").is_file()
+    env = mutation.mutmut_env(stage)
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str((stage / "hooks").resolve()),
+                                                        str((stage / "mutants").resolve())]
+    # A second staging keeps the times of unchanged files (mutmut re-tests what changed),
+    # and brings mutmut's copy of a file it does not mutate up to date.
+    copied = stage / "mutants/sfa_rd2h/spec/wire.py"
+    copied.parent.mkdir(parents=True)
+    copied.write_text("stale")
+    before = (stage / "sfa_rd2h/spec/layout.py").stat().st_mtime_ns
+    mutation.stage(REPO, stage, files, mutation.TEST_FILES, fresh=False)
+    assert (stage / "sfa_rd2h/spec/layout.py").stat().st_mtime_ns == before
+    assert copied.read_bytes() == (REPO / "spec/wire.py").read_bytes()
+
+
+def test_results_are_read_from_mutmut_meta_files(tmp_path: Path) -> None:
+    meta = tmp_path / "mutants/sfa_rd2h/runtime/tp_group.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {
+        "sfa_rd2h.runtime.tp_group.x__invalid__mutmut_1": 1,
+        "sfa_rd2h.runtime.tp_group.x__invalid__mutmut_2": 0,
+        "sfa_rd2h.runtime.tp_group.x__invalid__mutmut_3": 33,
+        "sfa_rd2h.runtime.tp_group.x__invalid__mutmut_4": None}}))
+    got = {(m.name.rsplit("_", 1)[1], m.status) for m in mutation.load_mutants(tmp_path)}
+    assert got == {("1", "killed"), ("2", "survived"), ("3", "no tests"),
+                   ("4", "not checked")}
+
+
+def test_report_without_a_run_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = argparse.Namespace(report=True, only=[], json=False, max_children=1, fresh=False,
+                              stage=str(tmp_path / "nothing"))
+    assert mutation.cmd_mutation(args) == 2
+    assert "run sfa-rd2h mutation first" in capsys.readouterr().err
+
+
+def test_every_recorded_equivalent_has_a_reason_and_still_matches_the_source() -> None:
+    """The catalog names each equivalent by file, function and change (mutmut's numbers
+    shift): the changed-from lines must still be in that file, or the entry is stale."""
+    entries = mutation.load_equivalents(REPO / mutation.EQUIVALENTS)
+    for e in entries:
+        source = [line.strip() for line in (REPO / e["file"]).read_text().splitlines()]
+        assert e["file"] in mutation.target_files(REPO), e
+        assert len(e["reason"]) > 20, e
+        for line in e["change"]:
+            if line.startswith("-"):
+                assert line[1:] in source, (e["file"], e["function"], line)

@@ -1,0 +1,287 @@
+"""The D-first proxy (runtime/vllm/proxy.py) against fake Prefill/Decode servers: the flow,
+C3 for prompt lists, the metaserver's answers (F1 contract), and every failure reaching the
+client as an HTTP error within its deadline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import httpx  # noqa: E402 - installed with vLLM
+from vllm_support import Backends, fake_tokens  # noqa: E402
+
+from sfa_rd2h.runtime.metaserver import Rendezvous, post_rendezvous  # noqa: E402
+from sfa_rd2h.runtime.vllm.proxy import (  # noqa: E402
+    DisaggProxy,
+    ProxyError,
+    prefill_params,
+    split_prompt,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def backends() -> Iterator[Backends]:
+    b = Backends().start()
+    yield b
+    b.close()
+
+
+def make_proxy(b: Backends, **kw: float) -> DisaggProxy:
+    assert b.prefill is not None and b.decode is not None
+    proxy = DisaggProxy([b.prefill.url], [b.decode.url], **kw)  # type: ignore[arg-type]
+    proxy.start()
+    return proxy
+
+
+@pytest.fixture
+def proxy(backends: Backends) -> Iterator[DisaggProxy]:
+    p = make_proxy(backends)
+    yield p
+    p.close()
+
+
+def complete(proxy: DisaggProxy, body: dict, timeout: float = 20.0) -> httpx.Response:
+    return httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=timeout,
+                      trust_env=False)
+
+
+def test_split_prompt_shapes():
+    assert split_prompt("hi") == ["hi"]
+    assert split_prompt([1, 2, 3]) == [[1, 2, 3]]
+    assert split_prompt(["a", "b"]) == ["a", "b"]
+    assert split_prompt([[1], [2, 3]]) == [[1], [2, 3]]
+    for bad in ("", [], [[]], [1, "a"], [True], None, 7, [[1], "a"]):
+        with pytest.raises(ProxyError):
+            split_prompt(bad)
+
+
+def test_single_prompt_flows_decode_first(backends, proxy):
+    prompt = list(range(10, 30))
+    r = complete(proxy, {"model": "m", "prompt": prompt, "max_tokens": 5,
+                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == fake_tokens(prompt, 5)
+    (d_call,) = backends.decode_calls
+    xrid = d_call["x_request_id"]
+    assert d_call["body"]["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False,
+        "metaserver": proxy.metaserver_url}
+    assert d_call["body"]["max_tokens"] == 5
+    (p_call,) = backends.prefill_calls
+    body = p_call["body"]
+    assert body["max_tokens"] == 1 and body["min_tokens"] == 1 and body["stream"] is False
+    assert body["prompt"] == prompt
+    # Same X-Request-Id, so vLLM names the request cmpl-<xrid>-0 on both sides.
+    assert p_call["x_request_id"] == xrid
+    assert backends.posted == [(f"cmpl-{xrid}-0", 200)]
+    params = body["kv_transfer_params"]  # exactly what Decode posted
+    assert params == Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",
+                                remote_host="127.0.0.1", remote_port=20000,
+                                remote_tp_size=1).to_json()
+    jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
+    assert jobs[-1]["outcome"] == "ok" and jobs[-1]["rendezvous_ms"] is not None
+
+
+def test_prompt_list_reaches_prefill_once_after_every_rendezvous(backends, proxy):
+    # C3: the posts are staggered; Prefill must see nothing before the last one.
+    backends.rendezvous_gap_s = 0.2
+    backends.cached_tokens = (64, 32, 96)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    r = complete(proxy, {"model": "m", "prompt": prompts, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert [c["token_ids"] for c in r.json()["choices"]] == \
+        [fake_tokens(p, 3) for p in prompts]
+    assert len(backends.posted) == 3
+    (p_call,) = backends.prefill_calls  # once, the whole list, in order
+    assert p_call["posts_started"] == 3
+    assert p_call["body"]["prompt"] == prompts
+    params = p_call["body"]["kv_transfer_params"]
+    xrid = p_call["x_request_id"]
+    assert params["remote_cached_tokens"] == 32  # the smallest: never skip a needed block
+    assert sorted(params["rendezvous"]) == [f"cmpl-{xrid}-{i}" for i in range(3)]
+    assert [params["rendezvous"][f"cmpl-{xrid}-{i}"]["remote_cached_tokens"]
+            for i in range(3)] == [64, 32, 96]
+
+
+def test_internal_ids_with_the_engine_suffix_are_accepted(backends, proxy):
+    backends.post_internal_ids = True
+    r = complete(proxy, {"model": "m", "prompt": [[1, 2], [3, 4]], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [status for _, status in backends.posted] == [200, 200]
+    assert all(len(rid.rsplit("-", 1)[1]) == 8 for rid, _ in backends.posted)
+
+
+def test_prefill_params_for_prompt_lists():
+    def rdv(i: int, port: int = 5000, cached: int = 0) -> dict:
+        return Rendezvous(request_id=f"cmpl-x-{i}", remote_engine_id="d", remote_host="h",
+                          remote_port=port, remote_tp_size=2,
+                          remote_cached_tokens=cached).to_json()
+
+    assert prefill_params([rdv(0, cached=32)]) == rdv(0, cached=32)
+    merged = prefill_params([rdv(0, cached=32), rdv(1, cached=0)])
+    assert merged["remote_port"] == 5000 and merged["remote_tp_size"] == 2
+    assert merged["remote_cached_tokens"] == 0
+    assert merged["rendezvous"]["cmpl-x-0"]["remote_cached_tokens"] == 32
+    with pytest.raises(ValueError, match="remote_port"):
+        prefill_params([rdv(0), rdv(1, port=5001)])
+
+
+def test_streaming_is_passed_through(backends, proxy):
+    prompt = [3, 4, 5]
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", trust_env=False, timeout=20,
+                      json={"model": "m", "prompt": prompt, "max_tokens": 4,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    tokens = [json.loads(ln[6:])["choices"][0]["token_ids"][0] for ln in lines[:-1]]
+    assert tokens == fake_tokens(prompt, 4)
+
+
+def test_prefill_error_reaches_client_and_aborts_decode(backends, proxy):
+    backends.prefill_mode = "error"
+    t0 = time.monotonic()
+    r = complete(proxy, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3})
+    assert r.status_code == 502
+    assert "prefill" in r.json()["error"]["message"]
+    assert "500" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < backends.decode_wait_s  # not Decode's own timeout
+    assert backends.decode_cancelled.wait(5.0)  # the Decode request was aborted
+
+
+def test_streaming_prefill_error_ends_the_stream_with_an_error_event(backends, proxy):
+    backends.prefill_mode = "error"
+    with httpx.stream("POST", f"{proxy.url}/v1/completions", trust_env=False, timeout=20,
+                      json={"model": "m", "prompt": [1, 2], "max_tokens": 2,
+                            "stream": True}) as r:
+        # Decode's stream started (headers), then Prefill failed before any token.
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["code"] == 502 and "prefill" in error["message"]
+    assert len(lines) == 2  # no token before the error
+    assert backends.decode_cancelled.wait(5.0)
+
+
+def test_missing_rendezvous_times_out_with_504(backends):
+    backends.decode_mode = "no_rendezvous"
+    proxy = make_proxy(backends, rendezvous_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        r = complete(proxy, {"model": "m", "prompt": [[1], [2]], "max_tokens": 2})
+        assert r.status_code == 504
+        assert "0 of 2 sub-requests" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5.0
+        assert backends.decode_cancelled.wait(5.0)
+        assert backends.prefill_calls == []
+    finally:
+        proxy.close()
+
+
+def test_decode_error_is_forwarded(backends, proxy):
+    backends.decode_mode = "error"
+    r = complete(proxy, {"model": "m", "prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "decode exploded"
+
+
+def test_unreachable_decode_is_a_502():
+    proxy = DisaggProxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    proxy.start()
+    try:
+        r = complete(proxy, {"model": "m", "prompt": [1], "max_tokens": 1})
+        assert r.status_code == 502
+        assert "decode" in r.json()["error"]["message"]
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"prompt": [], "max_tokens": 1}, 400),
+    ({"prompt": [1], "n": 2}, 400),
+    ({"prompt": [1], "kv_transfer_params": {"do_remote_decode": True}}, 400),
+])
+def test_bad_completions_are_400(proxy, body, status):
+    r = complete(proxy, body)
+    assert r.status_code == status
+    assert r.json()["error"]["code"] == status
+
+
+def test_metaserver_contract(backends, proxy):
+    meta = proxy.metaserver_url
+    rdv = Rendezvous(request_id="cmpl-nobody-0", remote_engine_id="e", remote_host="127.0.0.1",
+                     remote_port=1234, remote_tp_size=1)
+    assert post_rendezvous(meta, rdv) == 404  # F1: an HTTP error counts as delivered
+    r = httpx.post(meta, content=b"{not json", trust_env=False)
+    assert r.status_code == 400
+    r = httpx.post(meta, json={"request_id": "x", "remote_host": "0.0.0.0"}, trust_env=False)
+    assert r.status_code == 400 and "remote_engine_id" in r.json()["error"]
+
+    # After a completion its ids are forgotten: a late post is 404, never a hang.
+    r = complete(proxy, {"model": "m", "prompt": [9, 9], "max_tokens": 1})
+    assert r.status_code == 200
+    ((rid, _),) = backends.posted
+    late = Rendezvous(request_id=rid, remote_engine_id="d-engine", remote_host="127.0.0.1",
+                      remote_port=20000, remote_tp_size=1)
+    assert post_rendezvous(meta, late) == 404
+
+
+def test_duplicate_and_conflicting_rendezvous_after_dispatch(backends, proxy):
+    # A Decode that does not post by itself: the test posts for it.
+    backends.decode_mode = "no_rendezvous"
+    backends.decode_wait_s = 3.0
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=complete(proxy, {"model": "m", "prompt": [5, 6], "max_tokens": 1})))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not backends.decode_calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    xrid = backends.decode_calls[0]["x_request_id"]
+    rid = f"cmpl-{xrid}-0"
+    first = Rendezvous(request_id=rid, remote_engine_id="d", remote_host="127.0.0.1",
+                       remote_port=3000, remote_tp_size=1)
+    other = Rendezvous(request_id=rid, remote_engine_id="d", remote_host="127.0.0.1",
+                       remote_port=3001, remote_tp_size=1)
+    assert post_rendezvous(proxy.metaserver_url, first) == 200
+    assert post_rendezvous(proxy.metaserver_url, first) == 200  # duplicate
+    assert post_rendezvous(proxy.metaserver_url, other) == 409
+    t.join(15)
+    assert result["r"].status_code == 200  # the fake Prefill pushed for `first`
+    (p_call,) = backends.prefill_calls
+    assert p_call["body"]["kv_transfer_params"]["remote_port"] == 3000
+
+
+def test_close_answers_in_flight_requests_within_its_deadline(backends):
+    backends.decode_mode = "no_rendezvous"
+    proxy = make_proxy(backends, rendezvous_timeout_s=60)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1})))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not backends.decode_calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    proxy.close(timeout=5.0)
+    assert time.monotonic() - t0 < 5.5
+    t.join(5)
+    assert result["r"].status_code == 503
+    assert backends.decode_cancelled.wait(5.0)
+
+
+def test_wildcard_host_needs_an_advertised_address():
+    with pytest.raises(ValueError, match="wildcard"):
+        DisaggProxy(["http://p"], ["http://d"], host="0.0.0.0")
+    proxy = DisaggProxy(["p:1"], ["d:2"], host="0.0.0.0", advertise_host="10.0.0.5")
+    assert proxy.prefill == ["http://p:1"] and proxy.decode == ["http://d:2"]
