@@ -602,29 +602,29 @@ class Cluster:
             dst[lo:lo + ln] = src[pe:pe + ln]
         return 0
 
-    def _count_main_writes(self, addr: int, length: int, d: int) -> None:
+    def _blocks_at(self, addr: int, length: int) -> tuple[str, int, int, int, range]:
+        """The Decode region a descriptor writes into: (kind, layer, tensor, owner, blocks)."""
         k = int(np.searchsorted(self.region_starts, addr, side="right")) - 1
         start, end, kind, layer, tensor, owner = self.d_regions[k]
-        if kind != "main":
-            return
         nbytes = self._d_bytes(layer, tensor)
         first = (addr - start) // nbytes
         last = (min(addr + length, end) - 1 - start) // nbytes
-        for b in range(first, last + 1):
+        return kind, layer, tensor, owner, range(first, last + 1)
+
+    def _count_main_writes(self, addr: int, length: int, d: int) -> None:
+        kind, layer, tensor, owner, blocks = self._blocks_at(addr, length)
+        if kind != "main":
+            return
+        for b in blocks:
             key = (owner, layer, tensor, b)
             self.ghost.main_writes[key] += 1
             inv.check_main_written_once(self.ghost.main_writes[key], f"D{d}",
                                         f"block {b} of layer {layer} tensor {tensor}")
 
     def _owners(self, addr: int, length: int, d: int) -> tuple[list[str | None], bool]:
-        k = int(np.searchsorted(self.region_starts, addr, side="right")) - 1
-        start, end, kind, layer, tensor, owner = self.d_regions[k]
-        nbytes = self._d_bytes(layer, tensor)
-        first = (addr - start) // nbytes
-        last = (min(addr + length, end) - 1 - start) // nbytes
+        kind, _, _, owner, blocks = self._blocks_at(addr, length)
         table = self.block_owner[owner] if kind == "main" else self.idx_owner[owner]
-        owners = [table[b] or None for b in range(first, last + 1)]
-        return owners, kind == "main"
+        return [table[b] or None for b in blocks], kind == "main"
 
     # Decode scheduler ----------------------------------------------------
     def _mark_blocks(self, i: int, owner: str) -> None:

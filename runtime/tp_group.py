@@ -148,7 +148,42 @@ class SingleRankGroup(TpGroup):
         self._closed = True
 
 
-class GlooTpGroup(TpGroup):
+class MultiRankGroup(TpGroup):
+    """What every group of several processes shares: a validated rank, size and timeout,
+    and the rule that a closed group, or one broken by a failed collective, refuses the
+    next collective (the ranks may be out of step; pairing this call with a different call
+    on another rank would mix rounds)."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, *,
+                 done_memory: int = DONE_MEMORY) -> None:
+        super().__init__(done_memory=done_memory)
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
+        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        self._rank = rank
+        self._world_size = world_size
+        self._closed = False
+        self._broken: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TpGroupError("TP group is closed")
+        if self._broken is not None:
+            raise TpGroupError(f"TP group is unusable after an earlier failure: {self._broken}")
+
+
+class GlooTpGroup(MultiRankGroup):
     """Agreement over ``torch.distributed`` with the gloo backend (CPU, e.g. loopback).
 
     Three ways to get the group, so it never fights an existing torch.distributed setup:
@@ -181,24 +216,14 @@ class GlooTpGroup(TpGroup):
         group: Any = None,
         done_memory: int = DONE_MEMORY,
     ) -> None:
-        super().__init__(done_memory=done_memory)
+        super().__init__(rank, world_size, timeout, done_memory=done_memory)
         import torch.distributed as dist  # deferred: torch is heavy and optional here
 
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
-        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         if not dist.is_available():
             raise TpGroupError("torch.distributed is not available in this torch build")
         self._dist = dist
-        self._rank = rank
-        self._world_size = world_size
         self._owns_default = False
         self._owned_group: Any = None
-        self._closed = False
-        self._broken: str | None = None
         self._state_lock = threading.Lock()  # guards _closed and _in_flight
         self._in_flight = 0  # collectives running on this rank (agree from any thread)
         td = timedelta(seconds=float(timeout))
@@ -238,23 +263,9 @@ class GlooTpGroup(TpGroup):
                 f"rank/world_size {(rank, world_size)} do not match the group's {actual}"
             )
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
     def _all_gather(self, obj: Any) -> list[Any]:
         with self._state_lock:
-            if self._closed:
-                raise TpGroupError("TP group is closed")
-            if self._broken is not None:
-                # After a failed collective the ranks may be out of step; refuse rather than
-                # pair this call with a different call on another rank.
-                raise TpGroupError(
-                    f"TP group is unusable after an earlier failure: {self._broken}")
+            self._check_usable()
             self._in_flight += 1
         out: list[Any] = [None] * self._world_size
         try:

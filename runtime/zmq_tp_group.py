@@ -22,7 +22,6 @@ than at the timeout, and may be called from another thread while a collective is
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from sfa_rd2h.runtime.tp_group import DONE_MEMORY, TpGroup, TpGroupError
+from sfa_rd2h.runtime.tp_group import DONE_MEMORY, MultiRankGroup, TpGroupError
 
 _GATHER = b"g"  # rank > 0 -> rank 0: [b"g", seq, payload]
 _RESULT = b"r"  # rank 0 -> rank > 0: [b"r", seq, packed list of every rank's payload]
@@ -48,7 +47,7 @@ def _seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-class ZmqTpGroup(TpGroup):
+class ZmqTpGroup(MultiRankGroup):
     """One Decode TP rank's agreement handle over ZMQ on ``address`` (rank 0 binds it).
 
     Use a socket from one thread at a time: ``agree`` runs on one thread (e.g. the
@@ -64,21 +63,11 @@ class ZmqTpGroup(TpGroup):
         timeout: float = 60.0,
         done_memory: int = DONE_MEMORY,
     ) -> None:
-        super().__init__(done_memory=done_memory)
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in 0..{world_size - 1}, got {rank!r}")
-        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        super().__init__(rank, world_size, timeout, done_memory=done_memory)
         if not isinstance(address, str) or not address.startswith("tcp://"):
             raise ValueError(f"address must be 'tcp://host:port', got {address!r}")
-        self._rank = rank
-        self._world_size = world_size
         self._timeout_ms = max(1, int(timeout * 1000))
         self._seq = 0
-        self._broken: str | None = None
-        self._closed = False
         self._busy = threading.Lock()  # held while a collective uses the sockets
         self._close_lock = threading.Lock()
         self._ctx = zmq.Context()
@@ -105,23 +94,11 @@ class ZmqTpGroup(TpGroup):
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
     # -- the collective ----------------------------------------------------------------
 
     def _all_gather(self, obj: Any) -> list[Any]:
         with self._busy:
-            if self._closed:
-                raise TpGroupError("TP group is closed")
-            if self._broken is not None:
-                raise TpGroupError(
-                    f"TP group is unusable after an earlier failure: {self._broken}")
+            self._check_usable()
             if self._world_size == 1:
                 return [obj]
             try:

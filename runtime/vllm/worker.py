@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sfa_rd2h.runtime.control import ControlPlaneError
+from sfa_rd2h.runtime.control import (
+    AgreementLoop,
+    ControlPlaneError,
+    DecodeWorker,
+    PrefillWorker,
+)
 from sfa_rd2h.runtime.engines import (
     EngineError,
     TransferEngine,
@@ -38,18 +43,12 @@ from sfa_rd2h.runtime.engines import (
 from sfa_rd2h.runtime.tp_group import GlooTpGroup, SingleRankGroup, TpGroup
 from sfa_rd2h.runtime.vllm.config import ConnectorConfigError, Rd2hConfig, check_port_free
 from sfa_rd2h.runtime.vllm.metadata import Rd2hMetadata, Rd2hStats
-from sfa_rd2h.runtime.vllm.protocol import (
-    StepAgreement,
-    VllmDecodeCore,
-    VllmDecodeWorker,
-    VllmPrefillCore,
-    VllmPrefillWorker,
-)
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import LayoutError, ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.statemachines.cores.actions import RequestFinished
-from sfa_rd2h.statemachines.cores.prefill import LayerSendError
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
 from sfa_rd2h.statemachines.engine import Observer
 from sfa_rd2h.statemachines.trace import Tracer
 
@@ -287,7 +286,7 @@ class _ReplyTimer:
 
 
 class ProducerWorker:
-    """Prefill's worker half around a :class:`VllmPrefillWorker`."""
+    """Prefill's worker half around a :class:`PrefillWorker`."""
 
     def __init__(self, cfg: Rd2hConfig, kv_cache_config: Any, block_size: int) -> None:
         self.cfg = cfg
@@ -295,7 +294,7 @@ class ProducerWorker:
         self.block_size = block_size
         self.rank, self.world, _ = tp_rank_and_group(cfg)
         self.engine: TransferEngine | None = None
-        self.worker: VllmPrefillWorker | None = None
+        self.worker: PrefillWorker | None = None
         self.tracer: Tracer | None = None
         self.layer_idx: dict[str, int] = {}
         self.stats = _StatsBox()
@@ -322,14 +321,14 @@ class ProducerWorker:
                 engine.register_memory(base, nbytes)
             self.tracer = _tracer(self.cfg, "prefill", self.rank)
             timer = _ReplyTimer(self.stats)
-            core = VllmPrefillCore(
+            core = PrefillCore(
                 self.rank, self.cfg.mapping, engine.session_id,
                 {name: layer_meta(t) for name, t in layers.items()},
                 block_size=self.block_size, reply_timeout=self.cfg.reply_timeout,
                 observer=_observers(timer, self.tracer))
             for i in reversed(range(len(layers))):
                 timer.layer_of.update({g.key: i for g in core.gates_of(i)})
-            self.worker = VllmPrefillWorker(core, tracer=self.tracer)
+            self.worker = PrefillWorker(core, tracer=self.tracer)
         except BaseException:
             engine.close()
             raise
@@ -495,18 +494,25 @@ class ProducerWorker:
         return failures
 
     def shutdown(self) -> None:
-        if self.worker is not None:
-            try:
-                self.worker.close(self.cfg.close_timeout)
-            except ControlPlaneError as exc:
-                log.warning("Prefill rank %d: %s", self.rank, exc)
-            self.worker = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        if self.tracer is not None:
-            self.tracer.close()
-            self.tracer = None
+        _close_in_order(self, ("worker", "engine", "tracer"), self.cfg.close_timeout,
+                        f"Prefill rank {self.rank}")
+
+
+def _close_in_order(owner: Any, names: tuple[str, ...], timeout: float, who: str) -> None:
+    """Close and forget each attribute that is set, the worker first (it stops using the
+    others), so a shutdown is idempotent and a worker that will not stop is only logged."""
+    for name in names:
+        thing = getattr(owner, name)
+        if thing is None:
+            continue
+        try:
+            if name == "worker":
+                thing.close(timeout)
+            else:
+                thing.close()
+        except ControlPlaneError as exc:
+            log.warning("%s: %s", who, exc)
+        setattr(owner, name, None)
 
 
 def _device_event(kv_layer: Any) -> Any:
@@ -530,7 +536,7 @@ def _device_event(kv_layer: Any) -> Any:
 
 
 class ConsumerWorker:
-    """Decode's worker half around a :class:`VllmDecodeWorker` and a :class:`StepAgreement`."""
+    """Decode's worker half around a :class:`DecodeWorker` and a :class:`AgreementLoop`."""
 
     def __init__(self, cfg: Rd2hConfig, kv_cache_config: Any, block_size: int) -> None:
         self.cfg = cfg
@@ -542,8 +548,8 @@ class ConsumerWorker:
                                        cfg.mapping.d_tp, f"vLLM's TP group has {self.world}")
         self.port = check_port_free(cfg, self.rank)  # fail at start-up, naming kv_port (P1)
         self.engine: TransferEngine | None = None
-        self.worker: VllmDecodeWorker | None = None
-        self.agreement: StepAgreement | None = None
+        self.worker: DecodeWorker | None = None
+        self.agreement: AgreementLoop | None = None
         self.group: TpGroup | None = None
         self.tracer: Tracer | None = None
         self.stats = _StatsBox()
@@ -568,16 +574,16 @@ class ConsumerWorker:
                 group = GlooTpGroup(self.rank, self.world, group=self._cpu_group)
             self.tracer = _tracer(self.cfg, "decode", self.rank,
                                   endpoint=f"{self.cfg.host}:{self.port}")
-            core = VllmDecodeCore(
+            core = DecodeCore(
                 self.rank, self.cfg.mapping.d_tp,
                 {name: dest_layout(t) for name, t in layers.items()},
                 destination_wait=self.cfg.destination_wait,
                 request_deadline=self.cfg.request_deadline,
                 main_dest_shared=False,  # T5/T6: each rank's own KV cache takes all main KV
                 observer=_observers(_ReadTimer(self.stats), self.tracer))
-            agreement = StepAgreement(group)
+            agreement = AgreementLoop(group)
             try:
-                worker = VllmDecodeWorker(core, engine, self.port, host=self.cfg.host,
+                worker = DecodeWorker(core, engine, self.port, host=self.cfg.host,
                                           tracer=self.tracer, on_ready=agreement.notify)
             except ControlPlaneError as exc:
                 raise ConnectorConfigError("kv_port", self.cfg.kv_port, str(exc)) from None
@@ -683,18 +689,5 @@ class ConsumerWorker:
         return self.agreement.wait_fresh(timeout)
 
     def shutdown(self) -> None:
-        if self.worker is not None:
-            try:
-                self.worker.close(self.cfg.close_timeout)
-            except ControlPlaneError as exc:
-                log.warning("Decode rank %d: %s", self.rank, exc)
-            self.worker = None
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        if self.tracer is not None:
-            self.tracer.close()
-            self.tracer = None
+        _close_in_order(self, ("worker", "group", "engine", "tracer"), self.cfg.close_timeout,
+                        f"Decode rank {self.rank}")
