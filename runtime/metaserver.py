@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -405,14 +406,27 @@ class _Server(ThreadingHTTPServer):
         self.proxy = proxy
         self._clients: dict[socket.socket, float] = {}
         self._clients_lock = threading.Lock()
+        self._aborted = False
         super().__init__(addr, _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client cut by its deadline or by close() makes the handler's last write fail;
+        # that is the cut working, not an error worth a traceback on stderr.
+        if isinstance(sys.exc_info()[1], OSError):
+            log.debug("metaserver: client %s cut", client_address, exc_info=True)
+        else:
+            log.exception("metaserver: handler for %s failed", client_address)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         deadline = time.monotonic() + self.proxy.max_poll_s + self.proxy.request_deadline
         with self._clients_lock:
+            aborted = self._aborted
             busy = len(self._clients) >= self.proxy.max_handlers
-            if not busy:
+            if not (busy or aborted):
                 self._clients[request] = deadline
+        if aborted:  # accepted while close() runs: no later sweep would cut it
+            self.shutdown_request(request)
+            return
         if busy:
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
@@ -438,6 +452,7 @@ class _Server(ThreadingHTTPServer):
 
     def abort_clients(self) -> None:
         with self._clients_lock:
+            self._aborted = True
             clients = list(self._clients)
         for sock in clients:
             _cut(sock)

@@ -1,4 +1,5 @@
-"""Suite-wide rule: where `.ci/setup` installed the vLLM route, its tests must run.
+"""Suite-wide rules: where `.ci/setup` installed the vLLM route, its tests must run; and a
+failing test's report must not crash the run.
 
 The vLLM test modules guard their import with ``pytest.importorskip("vllm")`` so the suite
 runs in a plain checkout; but in a venv set up by `.ci/setup` (which writes the marker
@@ -7,7 +8,9 @@ below) a skipped vLLM module would hide a broken install, so it is reported as a
 
 from __future__ import annotations
 
+import ast
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,3 +26,19 @@ def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-
         report.outcome = "failed"
         report.longrepr = (f"{collector.nodeid}: skipped although .ci/setup installed the vLLM "
                            f"route ({_MARKER}): {report.longrepr}")
+
+
+# CPython before 3.11.8 keeps ast.parse's recursion depth in shared module state, so two
+# threads parsing at once (pytest rendering a failure while a server thread formats a
+# traceback, which parses source for its carets) raise "SystemError: AST constructor
+# recursion depth mismatch" (CPython gh-106905). Inside pytest's reporting that turns one
+# failed test into an INTERNALERROR that ends the whole run, so parsing is serialized here.
+if sys.version_info < (3, 11, 8):
+    _parse_lock = threading.Lock()
+    _unlocked_parse = ast.parse
+
+    def _serialized_parse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with _parse_lock:
+            return _unlocked_parse(*args, **kwargs)
+
+    ast.parse = _serialized_parse
