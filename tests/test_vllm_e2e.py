@@ -164,7 +164,7 @@ def test_disaggregated_outputs_equal_single_engine_token_for_token(env: Env) -> 
     env.blocks += blocks
     env.sent += len(prompts)
     bad = _mismatches(env, env.cases, results)
-    assert not bad, "\n".join(bad)
+    assert not bad, "\n".join(bad) + "\n" + env.dep.log_tails()
     assert all(len(out) == MAX_TOKENS for r in results for out in r)  # type: ignore[union-attr]
 
     # The connector's own figures: every destination block arrived, nothing failed.
@@ -247,10 +247,10 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     # The victim's error reaches the client through its proxy: Decode's vLLM fails the
     # request (kv_load_failure_policy "fail") and the proxy forwards the status.
     error = results[0]
-    assert isinstance(error, launch.CompletionError), error
-    assert error.status == 500, error
+    assert isinstance(error, launch.CompletionError), (error, env.dep.log_tails())
+    assert error.status == 500, f"{error}\n{env.dep.log_tails()}"
     bad = _mismatches(env, cases[1:], results[1:])
-    assert not bad, "\n".join(bad)
+    assert not bad, "\n".join(bad) + "\n" + env.dep.log_tails()
 
     # Only this test uses the failing Decode, so its totals are this request's.
     f = env.dep.wait_stats(FAILING, "requests_failed", 1, time.monotonic() + 30)

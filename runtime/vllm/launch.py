@@ -446,6 +446,16 @@ class Deployment:
         server = self.servers.get(name)
         return connector_stats(server.log_text()) if server is not None else {}
 
+    def log_tails(self, lines: int = 25) -> str:
+        """The last connector, warning and error lines of every engine's log: what a failed
+        test prints, since the logs live in a temporary folder CI does not keep."""
+        keep = ("sfa_rd2h", "WARNING", "ERROR", "Traceback", "Error")
+        parts = []
+        for name, server in self.servers.items():
+            tail = [ln for ln in server.log_text().splitlines() if any(k in ln for k in keep)]
+            parts.append(f"--- {name} ({server.log_path}):\n" + "\n".join(tail[-lines:]))
+        return "\n".join(parts)
+
     def wait_stats(self, name: str, key: str, at_least: float, deadline: float,
                    interval: float = 0.25) -> dict[str, float]:
         """Poll the log until the summed ``key`` reaches ``at_least`` (stats are logged once
