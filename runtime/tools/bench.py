@@ -37,7 +37,6 @@ import selectors
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,19 +50,6 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
 
-# Row names, in report order. The quick run leaves out the one that needs a second process.
-BENCHMARKS: tuple[str, ...] = (
-    "plan_layer_reads",
-    "wire_ready_roundtrip",
-    "machine_fire_cycle",
-    "machine_fire_vs_locked",
-    "machine_requests_n",
-    "machine_requests_4n",
-    "decode_core_layer",
-    "host_engine_read",
-)
-QUICK_SKIPS: frozenset[str] = frozenset({"host_engine_read"})
-
 
 class BenchError(RuntimeError):
     """A baseline disagreed with the project, or a benchmark could not run."""
@@ -71,23 +57,31 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Sizes:
-    """Workload of one run; ``FULL`` is what the quoted numbers use."""
+    """Workload of one run; ``FULL`` is what the quoted numbers use. ``QUICK`` keeps the
+    workloads whose ratios the goals judge at full size and cuts repeats and sample times."""
 
     requests: int  # requests per layer (plan, Decode core)
     blocks: int  # blocks per request and per id list (main and indexer)
     wire_entries: int  # READY entries in the wire benchmark
     wire_ids: int  # block ids per list in the wire benchmark (main and indexer each)
     models: int  # concurrent requests of the smaller lifecycle benchmark (the larger is 4x)
-    read_bytes: int  # host engine read
-    read_block: int  # bytes per descriptor of the host engine read
     repeat: int  # samples per side
     sample_s: float  # minimum duration of one sample
+    plan_blocks: tuple[int, ...]  # planning scale: block pairs per layer
+    rtt_rounds: int  # round trips per side
+    idle_s: float  # idle window
+    layer_steps: int  # prefill steps per per-layer sample
+    layer_repeat: int  # per-layer samples per side
+    read_repeat: int  # samples per side of each engine read size
+    pipe_repeat: int  # 256 MiB prompts per side
 
 
-FULL = Sizes(requests=64, blocks=32, wire_entries=64, wire_ids=300, models=1000,
-             read_bytes=64 << 20, read_block=4 << 20, repeat=15, sample_s=0.02)
-QUICK = Sizes(requests=8, blocks=8, wire_entries=8, wire_ids=40, models=10,
-              read_bytes=0, read_block=0, repeat=3, sample_s=0.002)
+FULL = Sizes(requests=64, blocks=32, wire_entries=64, wire_ids=300, models=1000, repeat=15,
+             sample_s=0.02, plan_blocks=(1000, 10_000, 100_000), rtt_rounds=4000, idle_s=5.0,
+             layer_steps=4, layer_repeat=9, read_repeat=15, pipe_repeat=9)
+QUICK = Sizes(requests=64, blocks=32, wire_entries=64, wire_ids=300, models=100, repeat=5,
+              sample_s=0.005, plan_blocks=(1000, 10_000, 100_000), rtt_rounds=600,
+              idle_s=2.0, layer_steps=2, layer_repeat=3, read_repeat=5, pipe_repeat=3)
 
 
 @dataclass
@@ -193,6 +187,21 @@ def _runs_of(pool: int, run: int, count: int, rng: np.random.Generator) -> np.nd
     return (starts[:, None] + np.arange(run)).reshape(-1)[:count]
 
 
+def _layouts(pool: int) -> tuple[wire.LayerMeta, DestLayout]:
+    """Source and destination of K, V, indexer and LIC8 scale, ``pool`` blocks each, every
+    tensor 1 TiB apart so no two tensors' ranges can overlap at any benchmark size."""
+    sizes = _TENSOR_BYTES
+    src = wire.LayerMeta(
+        base_addrs=tuple(0x7F00_0000_0000 + (t << 40) for t in range(len(sizes))),
+        block_len=sizes, block_size_scale=(1,) * len(sizes),
+        tensor_group_idx=(0, 0, 1, 1), main_tensor_count=2, has_indexer=True)
+    dst = DestLayout(
+        base_addrs=tuple(0x6E00_0000_0000 + (t << 40) for t in range(len(sizes))),
+        block_bytes=sizes, num_blocks=(pool,) * len(sizes),
+        main_tensor_count=2, has_indexer=True, has_scale=True)
+    return src, dst
+
+
 def layer_case(requests: int, blocks: int, seed: int = 1) -> LayerCase:
     """K, V, indexer and LIC8 scale; ids "partially contiguous" the way caches fragment.
 
@@ -201,17 +210,9 @@ def layer_case(requests: int, blocks: int, seed: int = 1) -> LayerCase:
     two sides' run boundaries fall.
     """
     rng = np.random.default_rng(seed)
-    sizes = _TENSOR_BYTES
     n = requests * blocks
     pool = 4 * n  # blocks are drawn from a cache four times larger than this layer needs
-    src = wire.LayerMeta(
-        base_addrs=tuple(0x7F00_0000_0000 + (t << 36) for t in range(len(sizes))),
-        block_len=sizes, block_size_scale=(1,) * len(sizes),
-        tensor_group_idx=(0, 0, 1, 1), main_tensor_count=2, has_indexer=True)
-    dst = DestLayout(
-        base_addrs=tuple(0x7E00_0000_0000 + (t << 36) for t in range(len(sizes))),
-        block_bytes=sizes, num_blocks=(pool,) * len(sizes),
-        main_tensor_count=2, has_indexer=True, has_scale=True)
+    src, dst = _layouts(pool)
 
     def per_request(run: int) -> list[np.ndarray]:
         return list(_runs_of(pool, run, n, rng).reshape(requests, blocks))
@@ -484,7 +485,7 @@ def bench_decode_core(sizes: Sizes) -> Result:
 # --------------------------------------------------------------------------- 5. host engine
 
 
-def _announcement(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+def announcement(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     """The probe owner's first stdout line (its session and buffer address), bounded wait."""
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
@@ -498,92 +499,123 @@ def _announcement(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]
         raise BenchError(f"probe owner announced {line!r}, not JSON") from None
 
 
-def bench_host_read(sizes: Sizes, timeout: float = 120.0) -> Result:
-    """One batched read out of another process vs ``numpy.copyto`` of the same bytes here.
+# --------------------------------------------------------------------------- 7. planning scale
 
-    The owner is ``sfa-rd2h probe``'s prefill role (a patterned buffer in a separate
-    process). When done, the probe's own decode role reads once more, verifies every byte
-    and tells the owner to exit, so the owner's shutdown path is the probe's.
-    """
-    from sfa_rd2h.runtime.engines import make_engine
-    from sfa_rd2h.runtime.tools.probe import pattern, run_probe
 
-    nbytes, block = sizes.read_bytes, sizes.read_block
-    cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.probe", "--role", "prefill",
-           "--engine", "host", "--bytes", str(nbytes), "--timeout", str(timeout), "--json"]
-    with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            info = _announcement(proc, timeout)
-            eng = make_engine("host")
-            try:
-                eng.initialize("127.0.0.1", 0)
-                dest = np.zeros(nbytes, dtype=np.uint8)
-                eng.register_memory(int(dest.ctypes.data), nbytes)
-                # Shuffled block order, as the probe does, so the engine cannot merge the
-                # descriptors into one copy: the cost measured is that of a scattered batch.
-                count = -(-nbytes // block)
-                offsets = np.random.default_rng(3).permutation(count).astype(np.uint64)
-                offsets *= np.uint64(block)
-                lengths = np.minimum(np.uint64(block), np.uint64(nbytes) - offsets)
-                local = np.uint64(dest.ctypes.data) + offsets
-                remote = np.uint64(int(info["addr"])) + offsets
-                session = str(info["session"])
-                source = pattern(nbytes, int(info["seed"]))
+def scale_case(n: int, contiguous: bool, seed: int = 4) -> LayerCase:
+    """One layer of ``n`` block pairs (100 requests), K/V + indexer + scale: ids either in
+    one run per request on both sides (a few descriptors) or drawn at random from a cache
+    four times larger (about one descriptor per block and tensor)."""
+    requests = 100
+    blocks = max(1, n // requests)
+    total = requests * blocks
+    rng = np.random.default_rng(seed)
+    pool = 4 * total
+    src, dst = _layouts(pool)
 
-                def engine_read() -> None:
-                    ret = eng.batch_transfer_sync_read(session, local, remote, lengths)
-                    if ret != 0:
-                        raise BenchError(f"host read returned {ret}: {eng.last_error}")
+    def ids() -> np.ndarray:
+        flat = np.arange(total, dtype=np.int64) if contiguous else \
+            rng.permutation(pool)[:total].astype(np.int64)
+        return flat.reshape(requests, blocks)
 
-                engine_read()
-                if not np.array_equal(dest, source):
-                    raise BenchError("host_engine_read: bytes read differ from the owner's")
-                mode = getattr(eng, "mode", "?")
-                med, base, cmp_info = compare(engine_read, lambda: np.copyto(dest, source),
-                                              sizes.repeat, sizes.sample_s, loops=1)
-            finally:
-                eng.close()
-            probe = run_probe("decode", "host", info=info, block_bytes=block, repeats=1,
-                              timeout=timeout)
-            if not probe.get("ok"):
-                raise BenchError(f"host_engine_read: probe check failed: {probe.get('error')}")
-            proc.wait(timeout=timeout)
-        except BaseException:
-            err.seek(0)
-            sys.stderr.write(err.read()[-2000:])
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    gbps = nbytes / med / 1e9
-    base_gbps = nbytes / base / 1e9
-    return Result(
-        "host_engine_read", med, base, "ms/read", 1e3,
-        f"{nbytes >> 20} MiB in {count} x {block >> 20} MiB descriptors from another process "
-        f"({mode}): {gbps:.2f} GB/s; numpy.copyto {base_gbps:.2f} GB/s",
-        {"verified": True, "bytes": nbytes, "descriptors": count, "mode": mode,
-         "project_gbps": gbps, "baseline_gbps": base_gbps,
-         "baseline": "numpy.copyto of the same bytes within one process", **cmp_info})
+    return LayerCase(src, dst, [tuple(a.tolist()) for a in ids()], list(ids()),
+                     [tuple(a.tolist()) for a in ids()], list(ids()))
+
+
+def bench_plan_scale(sizes: Sizes) -> list[Result]:
+    """plan_layer_reads at growing block counts, next to the per-block loop; the per-block
+    cost says whether growth is linear."""
+    results = []
+    for n in sizes.plan_blocks:
+        for contiguous in (True, False):
+            case = scale_case(n, contiguous)
+            plan = plan_layer(case)
+            _check_plan(plan, naive_plan_layer(case), f"plan_scale {n}")
+            # The loop baseline at 100k blocks lasts ~1 s a call: fewer samples there.
+            rep = sizes.repeat if n <= 10_000 else min(sizes.repeat, 3)
+            med, base, info = compare(lambda c=case: plan_layer(c),
+                                      lambda c=case: naive_plan_layer(c), rep,
+                                      sizes.sample_s)
+            kind = "runs" if contiguous else "scattered"
+            label = f"{n // 1000}k"
+            results.append(Result(
+                f"plan_scale_{label}_{kind}", med, base, "ms/layer", 1e3,
+                f"plan_layer_reads, {n} block pairs x 4 tensors, {kind} -> {len(plan)} "
+                "descriptors; vs per-block Python loop",
+                {"verified": True, "block_pairs": n, "contiguous": contiguous,
+                 "descriptors": len(plan), "ns_per_block": med / n * 1e9, **info}))
+    return results
 
 
 # --------------------------------------------------------------------------- driver & CLI
 
+# The figures the issue sets goals for: (key, row, how the row gives it, goal, direction).
+# "ratio" is median / baseline; "inverse" is baseline / median (a throughput ratio);
+# "ms" is the row's median in milliseconds.
+FIGURES: tuple[tuple[str, str, str, float | None, str], ...] = (
+    ("control_rtt_ratio", "control_rtt_p50", "ratio", 1.3, "<="),
+    ("control_rtt_p99_ratio", "control_rtt_p99", "ratio", None, ""),
+    ("prefill_layer_cpu_ratio", "prefill_layer_cpu", "ratio", 2.0, "<="),
+    ("machine_share", "machine_share", "ratio", 0.10, "<="),
+    ("codec_ratio", "wire_ready_roundtrip", "ratio", 1.5, "<="),
+    ("decode_layer_ratio", "decode_core_layer", "ratio", 2.0, "<="),
+    ("host_read_ratio_2mib", "host_read_2MiB", "inverse", 0.8, ">="),
+    ("pipeline_efficiency", "pipeline", "inverse", 0.7, ">="),
+    ("plan_100k_ms", "plan_scale_100k_scattered", "ms", 20.0, "<="),
+    ("idle_cpu_fraction", "idle_cpu", "ratio", 0.01, "<"),
+)
+FIGURE_KEYS: tuple[str, ...] = tuple(f[0] for f in FIGURES)
+
+
+def _steps() -> dict[str, Callable[[Sizes], Result | list[Result]]]:
+    """Benchmark groups by name, in report order (the system ones live in bench_system)."""
+    from sfa_rd2h.runtime.tools import bench_system as system
+
+    return {
+        "plan": bench_plan,
+        "wire": bench_wire,
+        "machines": bench_machines,
+        "decode_core": bench_decode_core,
+        "plan_scale": bench_plan_scale,
+        "control": system.bench_control,
+        "prefill_layer": system.bench_prefill_layer,  # type: ignore[dict-item]
+        "machine_share": system.bench_machine_share,
+        "host_read": partial(system.bench_reads, engine="host"),
+        "mooncake_read": partial(system.bench_reads, engine="mooncake"),
+        "pipeline": system.bench_pipeline,
+    }
+
+
+STEP_NAMES: tuple[str, ...] = ("plan", "wire", "machines", "decode_core", "plan_scale",
+                               "control", "prefill_layer", "machine_share", "host_read",
+                               "mooncake_read", "pipeline")
+
+
+def mooncake_available() -> bool:
+    try:
+        from sfa_rd2h.runtime.engines.mooncake import load_mooncake
+
+        load_mooncake()
+    except Exception:  # noqa: BLE001 - any failure to load means "not here"
+        return False
+    return True
+
 
 def run_benchmarks(quick: bool = False, repeat: int | None = None,
-                   on_result: Callable[[Result], None] | None = None) -> list[Result]:
-    """Run every benchmark (all but the second-process one with ``quick``) in report order."""
+                   on_result: Callable[[Result], None] | None = None,
+                   only: tuple[str, ...] | None = None) -> list[Result]:
+    """Run the benchmark groups (``only`` selects some) in report order. Mooncake's table
+    runs when its library loads, and not with ``quick``."""
     sizes = QUICK if quick else FULL
     if repeat is not None:
         sizes = Sizes(**{**sizes.__dict__, "repeat": repeat})
-    steps: list[Callable[[Sizes], Result | list[Result]]] = [
-        bench_plan, bench_wire, bench_machines, bench_decode_core]
-    if not quick:
-        steps.append(bench_host_read)
+    steps = _steps()
+    names = [n for n in STEP_NAMES if only is None or n in only]
+    if "mooncake_read" in names and (quick or not mooncake_available()) and only is None:
+        names.remove("mooncake_read")
     results: list[Result] = []
-    for step in steps:
-        got = step(sizes)
+    for name in names:
+        got = steps[name](sizes)
         for r in got if isinstance(got, list) else [got]:
             results.append(r)
             if on_result is not None:
@@ -591,18 +623,69 @@ def run_benchmarks(quick: bool = False, repeat: int | None = None,
     return results
 
 
-_HEADER = f"{'benchmark':24} {'project':>10} {'baseline':>10} {'ratio':>7}  {'unit':10} what"
+def figures(results: list[Result]) -> dict[str, float | None]:
+    """The top-level figures from the rows (None where the row did not run)."""
+    rows = {r.name: r for r in results}
+    out: dict[str, float | None] = {}
+    for key, row, how, _goal, _op in FIGURES:
+        r = rows.get(row)
+        if r is None:
+            out[key] = None
+        elif how == "ratio":
+            out[key] = r.ratio
+        elif how == "inverse":
+            out[key] = r.baseline_s / r.median_s
+        else:
+            out[key] = r.median_s * 1e3
+    return out
+
+
+def goal_met(value: float | None, goal: float | None, op: str) -> bool | None:
+    if value is None or goal is None:
+        return None
+    return {"<=": value <= goal, "<": value < goal, ">=": value >= goal}[op]
+
+
+def report(results: list[Result], quick: bool) -> dict[str, Any]:
+    """The ``--json`` object: every row, the figures at the top level, and their goals."""
+    figs = figures(results)
+    goals = {key: {"goal": None if goal is None else f"{op} {goal:g}",
+                   "met": goal_met(figs[key], goal, op)}
+             for key, _row, _how, goal, op in FIGURES}
+    return {"rows": [r.as_json() for r in results], **figs, "goals": goals, "quick": quick,
+            "cpus": os.cpu_count()}
+
+
+_HEADER = f"{'benchmark':26} {'project':>10} {'baseline':>10} {'ratio':>7}  {'unit':10} what"
 
 
 def format_row(r: Result) -> str:
-    return (f"{r.name:24} {r.median_s * r.scale:>10.2f} {r.baseline_s * r.scale:>10.2f} "
+    return (f"{r.name:26} {r.median_s * r.scale:>10.2f} {r.baseline_s * r.scale:>10.2f} "
             f"{r.ratio:>7.3f}  {r.unit:10} {r.what}")
+
+
+def format_figures(rep: dict[str, Any]) -> list[str]:
+    lines = [f"{'figure':26} {'value':>10}  goal      met"]
+    for key in FIGURE_KEYS:
+        v, g = rep[key], rep["goals"][key]
+        shown = "-" if v is None else f"{v:.3f}"
+        met = {True: "yes", False: "NO", None: "-"}[g["met"]]
+        lines.append(f"{key:26} {shown:>10}  {g['goal'] or '-':9} {met}")
+    return lines
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat is not None and args.repeat < 1:
         print("--repeat must be at least 1", file=sys.stderr)
         return 2
+    only = None
+    if args.only:
+        only = tuple(n.strip() for n in args.only.split(",") if n.strip())
+        unknown = sorted(set(only) - set(STEP_NAMES))
+        if unknown:
+            print(f"unknown benchmark group(s) {', '.join(unknown)}; known: "
+                  f"{', '.join(STEP_NAMES)}", file=sys.stderr)
+            return 2
     show: Callable[[Result], None] | None = None
     if not args.json:
         print(f"medians of {args.repeat or (QUICK if args.quick else FULL).repeat} interleaved "
@@ -613,29 +696,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(format_row(r), flush=True)
 
     try:
-        results = run_benchmarks(args.quick, args.repeat, on_result=show)
+        results = run_benchmarks(args.quick, args.repeat, on_result=show, only=only)
     except (BenchError, ProtocolError, OSError, subprocess.SubprocessError) as exc:
         # A failed equality check or an engine that cannot run here: say which, exit 1,
         # rather than print a ratio that compares different work.
         print(f"bench failed: {exc}", file=sys.stderr)
         return 1
+    rep = report(results, args.quick)
+    if args.plot:
+        from sfa_rd2h.runtime.tools.bench_plot import write_chart
+
+        write_chart(rep, args.plot)
     if args.json:
-        print(json.dumps([r.as_json() for r in results], indent=2))
-    elif args.quick:
-        print(f"skipped with --quick: {', '.join(sorted(QUICK_SKIPS))}")
+        print(json.dumps(rep, indent=2))
+    else:
+        print()
+        print("\n".join(format_figures(rep)))
     return 0
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` to an argparse sub-command set; the handler is ``cmd_bench``."""
     p = subparsers.add_parser(
-        "bench", help="time the hot path against baselines (medians and ratios, one run)",
+        "bench", help="time the hot path and the runtime against baselines (one run)",
         description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("--quick", action="store_true",
-                   help="small sizes and few repeats (a few seconds); skips host_engine_read")
+                   help="fewer repeats and shorter windows (under 2 minutes); every figure "
+                        "is still reported; no Mooncake table")
     p.add_argument("--json", action="store_true",
-                   help="print a JSON list of {name, median_s, baseline_s, ratio, detail}")
+                   help="print one JSON object: rows [{name, median_s, baseline_s, ratio, "
+                        "detail}] and the figures " + ", ".join(FIGURE_KEYS))
     p.add_argument("--repeat", type=int, default=None,
                    help=f"samples per side (default {FULL.repeat}, quick {QUICK.repeat})")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated groups to run: {', '.join(STEP_NAMES)}")
+    p.add_argument("--plot", default=None, metavar="FILE.svg",
+                   help="write an SVG chart: engine and pipeline throughput vs baseline")
     p.set_defaults(func=cmd_bench)
     return p

@@ -78,7 +78,7 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-class _Buffer:
+class ProbeBuffer:
     """A registered buffer on the host or on an NPU, with host-side fill and readback."""
 
     def __init__(self, engine: TransferEngine, nbytes: int, device: str) -> None:
@@ -177,7 +177,7 @@ def _run_prefill(
     timeout: float, device: str, rendezvous: str | None, emit: Callable[[str], None],
 ) -> dict[str, Any]:
     session = eng.initialize(host, port)
-    buf = _Buffer(eng, nbytes, device)
+    buf = ProbeBuffer(eng, nbytes, device)
     buf.fill(pattern(nbytes, seed))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.create_server((host, 0), family=family) as ctrl:
@@ -218,7 +218,7 @@ def _run_decode(
         result["mode"] = eng.mode
     try:
         eng.initialize(host, 0)
-        buf = _Buffer(eng, nbytes, device)
+        buf = ProbeBuffer(eng, nbytes, device)
         local, peer, lengths = _descriptors(buf.addr, int(info["addr"]), nbytes, block, seed)
         result["descriptors"] = int(lengths.size)
         expected = pattern(nbytes, seed)
