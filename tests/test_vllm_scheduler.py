@@ -958,3 +958,11 @@ def test_indexer_group_pairs_by_layer_number(model_dir):
     with pytest.raises(ConnectorConfigError, match=r"\['indexer_kv_group'\]=2"):
         parse_config(make_config(model_dir, "kv_consumer", free_port(),
                                  {**HOST, "indexer_kv_group": 2}), n_groups=2)
+
+
+def test_sleep_mode_is_refused_because_registered_addresses_would_go_stale() -> None:
+    """vLLM 0.33 asks a connector before sleep mode remaps the KV cache; the addresses in
+    Prefill's MF_META and the engine's registered regions would then be stale (F3, F4)."""
+    from sfa_rd2h.runtime.vllm.connector import SfaRemoteD2HConnector
+
+    assert SfaRemoteD2HConnector.supports_sleep_mode(None) is False

@@ -50,6 +50,13 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
     #: Ascend: the Prefill side gates slot reuse layer by layer (S1, M1).
     supports_layerwise_buffer_reuse = True
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33 asks before sleep mode remaps the KV cache: no. Prefill's MF_META and
+        the engine's registered regions name the addresses of the caches registered at
+        start-up (F3, F4); a remapped cache would be read at stale addresses."""
+        return False
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
