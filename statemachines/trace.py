@@ -256,8 +256,7 @@ class Report:
 class _Conn:
     """One connection seen from one end: READY and reply counts per layer."""
 
-    first_line: int
-    last_line: int
+    last_line: int  # where the connection was last seen (S3 divergences point there)
     peer: str
     meta: bool = False
     lost: bool = False
@@ -414,8 +413,9 @@ class _Validator:
     def _conn(self, f: _File, conn_id: str, peer: str, line: int) -> _Conn:
         c = f.conns.get(conn_id)
         if c is None:
-            c = f.conns[conn_id] = _Conn(line, line, peer)
-        c.last_line = line
+            c = f.conns[conn_id] = _Conn(line, peer)
+        else:
+            c.last_line = line
         return c
 
     def _message(self, f: _File, line: int, rec: dict[str, Any]) -> None:

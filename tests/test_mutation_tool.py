@@ -108,6 +108,36 @@ def test_stage_lays_out_the_package_under_its_import_name(tmp_path: Path) -> Non
     mutation.stage(REPO, stage, files, mutation.TEST_FILES, fresh=False)
     assert (stage / "sfa_rd2h/spec/layout.py").stat().st_mtime_ns == before
     assert copied.read_bytes() == (REPO / "spec/wire.py").read_bytes()
+    # mutmut's plain copy of a file that was not a target then (newer than its source, no
+    # results) is dropped once the file becomes a target, or mutmut would never mutate it;
+    # a target's mutated copy with results is kept.
+    mutated = stage / "mutants/sfa_rd2h/runtime/tp_group.py"
+    mutated.parent.mkdir(parents=True, exist_ok=True)
+    mutated.write_text("mutated")
+    mutated.with_name("tp_group.py.meta").write_text("{}")
+    mutation.stage(REPO, stage, ["runtime/tp_group.py", "spec/wire.py"],
+                   mutation.TEST_FILES, fresh=False)
+    assert not copied.exists()
+    assert mutated.read_text() == "mutated"
+
+
+def test_stats_are_collected_anew_when_a_target_is_added(tmp_path: Path) -> None:
+    """mutmut's stats (which test reaches which function) cover only the files mutated when
+    they were taken: a file added to the targets would otherwise get "no tests" throughout."""
+    stage = tmp_path / "stage"
+    stats = stage / "mutants/mutmut-stats.json"
+
+    def run(files: list[str]) -> bool:
+        mutation.stage(REPO, stage, files, mutation.TEST_FILES, fresh=False)
+        kept = stats.exists()
+        stats.write_text("{}")  # what mutmut leaves after the run
+        return kept
+
+    run(["runtime/tp_group.py", "spec/wire.py"])
+    assert run(["runtime/tp_group.py", "spec/wire.py"])  # same targets: stats kept
+    assert run(["spec/wire.py"])  # a subset: kept (mutmut drops the other file's part)
+    assert not run(["spec/wire.py", "spec/layout.py"])  # layout.py has none: taken anew
+    assert not run(["runtime/tp_group.py"])
 
 
 def test_results_are_read_from_mutmut_meta_files(tmp_path: Path) -> None:
@@ -141,3 +171,18 @@ def test_every_recorded_equivalent_has_a_reason_and_still_matches_the_source() -
         for line in e["change"]:
             if line.startswith("-"):
                 assert line[1:] in source, (e["file"], e["function"], line)
+
+
+def test_undetected_mutants_are_run_again_detected_ones_keep_their_result(
+        tmp_path: Path) -> None:
+    """A survivor is re-tested on the next run (a test that kills it may have been added);
+    mutmut alone keeps every result until the mutated function changes."""
+    stage = tmp_path / "stage"
+    meta = stage / "mutants/sfa_rd2h/spec/wire.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"k1": 1, "k2": 0, "k3": 33, "k4": 36},
+                                "hash_by_function_name": {"x_f": "abc"}}))
+    mutation.stage(REPO, stage, ["spec/wire.py"], mutation.TEST_FILES, fresh=False)
+    data = json.loads(meta.read_text())
+    assert data["exit_code_by_key"] == {"k1": 1, "k2": None, "k3": None, "k4": 36}
+    assert data["hash_by_function_name"] == {"x_f": "abc"}

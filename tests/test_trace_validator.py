@@ -3,6 +3,8 @@ what ``sfa-rd2h validate`` must call a divergence in traces written by real proc
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,235 @@ def test_a_machine_instance_started_twice_is_a_divergence(tmp_path: Path) -> Non
     t("decode_layer_read", "k", "start", "", "received", ())
     t.close()
     assert validate([tmp_path / "ok.jsonl"]).ok
+
+
+# --------------------------------------------------------------------------- hand-written traces
+
+
+def _trace(path: Path, role: str, records: list[dict], *, closed: bool = True,
+           **info: object) -> Path:
+    """A trace file as a process would leave it: header, ``records``, close marker."""
+    lines = [{"k": "process", "name": path.stem, "pid": 1, "role": role, **info}, *records]
+    if closed:
+        lines.append({"k": "close", "t": 9.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def _msg(direction: str, peer: str | None, kind: str, layer: int | None = None,
+         conn: str | None = None) -> dict:
+    rec: dict = {"k": "msg", "t": 0.0, "dir": direction, "kind": kind}
+    if peer is not None:
+        rec["peer"] = peer
+    if layer is not None:
+        rec["layer"] = layer
+    if conn is not None:
+        rec["conn"] = conn
+    return rec
+
+
+def _read(key: str, *path: str) -> list[dict]:
+    """decode_layer_read ``key`` started and taken along ``path`` (accept, ...)."""
+    recs = [{"k": "tr", "t": 0.0, "m": "decode_layer_read", "key": key, "ev": "start",
+             "src": "", "dst": "received"}]
+    state = "received"
+    for step in path:
+        ev, dst = step.split(">")
+        recs.append({"k": "tr", "t": 0.0, "m": "decode_layer_read", "key": key, "ev": ev,
+                     "src": state, "dst": dst})
+        state = dst
+    return recs
+
+
+def _where(report) -> list[tuple[str, int, str, str]]:
+    return [(Path(d.path).name, d.line, d.rule, d.message) for d in report.divergences]
+
+
+def test_the_tracer_writes_each_record_kind_with_its_fields(tmp_path: Path) -> None:
+    """What ``sfa-rd2h validate`` and a reader rely on: every record carries its time,
+    transition arguments keep JSON scalars and cut long texts, ``conn`` records name the
+    peer."""
+    path = tmp_path / "p.jsonl"
+    t = Tracer(path, "p", role="prefill", rank=3)
+    t("prefill_slot", "s", "start", "", "free", (None, True, 7, 2.5, "x" * 500,
+                                                 {"b", "a"}, ("c",), object))
+    t.connection("open", "d0:7000", "c1")
+    t.info(endpoint="d0:7000")
+    t.close()
+    head, tr, conn, info, close = (json.loads(line) for line in path.read_text().splitlines())
+    assert head == {"k": "process", "name": "p", "pid": os.getpid(), "role": "prefill",
+                    "rank": 3}
+    assert tr["a"] == [None, True, 7, 2.5, "x" * 160, ["a", "b"], ["c"], str(object)]
+    assert set(tr) == {"k", "t", "m", "key", "ev", "src", "dst", "a"}
+    assert set(conn) == {"k", "t", "ev", "peer", "conn"}
+    assert (conn["ev"], conn["peer"], conn["conn"]) == ("open", "d0:7000", "c1")
+    assert set(info) == {"k", "t", "endpoint"} and set(close) == {"k", "t"}
+    assert all(isinstance(r["t"], float) for r in (tr, conn, info, close))
+
+
+def test_an_abandoned_trace_stays_unclosed_and_takes_no_more_records(tmp_path: Path) -> None:
+    """What a killed process leaves: no close marker; the Tracer ignores later calls
+    (a later ``close`` neither raises nor appends)."""
+    path = tmp_path / "d.jsonl"
+    t = Tracer(path, "d", role="decode")
+    t.info(x=1)
+    t.abandon()
+    t.info(x=2)
+    t.close()
+    t.abandon()
+    assert [json.loads(line)["k"] for line in path.read_text().splitlines()] == [
+        "process", "info"]
+    report = validate([path])
+    assert report.ok and report.unclosed == [str(path)]
+
+
+def test_summary_names_the_first_divergence_and_counts_the_rest(tmp_path: Path) -> None:
+    ok = _trace(tmp_path / "ok.jsonl", "decode", [])
+    assert validate([ok]).summary() == "valid: 1 trace(s), 2 records, 0 transitions, " \
+                                       "0 messages"
+    open_ = _trace(tmp_path / "open.jsonl", "decode", [], closed=False)
+    assert validate([open_]).summary().endswith(f"; not closed cleanly: [{str(open_)!r}]")
+    one = _trace(tmp_path / "one.jsonl", "decode", [{"k": "what"}])
+    text = validate([one]).summary()
+    assert text == (f"DIVERGENCE: {one}:2: trace: unknown record kind 'what'\n"
+                    "  in 1 trace(s), 3 records, 0 transitions, 0 messages")
+    three = _trace(tmp_path / "three.jsonl", "decode", [{"k": "what"}] * 3)
+    assert validate([three]).summary().startswith(
+        f"DIVERGENCE: {three}:2: trace: unknown record kind 'what' (+2 more)\n")
+
+
+def test_at_most_100_divergences_are_kept(tmp_path: Path) -> None:
+    bad = _trace(tmp_path / "bad.jsonl", "decode", [{"k": "what"}] * 150)
+    report = validate([bad])
+    assert len(report.divergences) == 100 and report.records == 152
+    assert report.divergences[-1].line == 101
+
+
+def test_readys_before_mf_meta_may_only_be_refused_each_once(tmp_path: Path) -> None:
+    """W1 on Decode: every READY that came before MF_META is answered READ_FAILED; once
+    MF_META is in, READ_DONE is fine again."""
+    good = _trace(tmp_path / "good.jsonl", "decode", [
+        _msg("recv", "p", "read_ready_batch", 0),
+        _msg("send", "p", "read_failed", 0),
+        _msg("recv", "p", "mf_meta"),
+        _msg("recv", "p", "read_ready_batch", 0),
+        _msg("recv", "p", "read_ready_batch", 0),
+        _msg("send", "p", "read_done", 0),
+        _msg("send", "p", "read_done", 0),
+    ])
+    assert validate([good]).ok, validate([good]).summary()
+    bad = _trace(tmp_path / "bad.jsonl", "decode", [
+        _msg("recv", "p", "read_ready_batch", 0),
+        _msg("recv", "p", "read_ready_batch", 0),
+        _msg("send", "p", "read_failed", 0),
+        _msg("recv", "p", "mf_meta"),
+        _msg("send", "p", "read_done", 0),
+    ])
+    assert _where(validate([bad])) == [
+        ("bad.jsonl", 6, "W1", "read_done for layer 0 on connection p answers a READY "
+                               "that came before MF_META; only READ_FAILED may")]
+    early = _trace(tmp_path / "early.jsonl", "prefill", [
+        _msg("send", "d0:7000", "read_ready_batch", 2, conn="c1"),
+        _msg("recv", "d0:7000", "read_failed", 2, conn="c1"),
+    ])
+    assert _where(validate([early])) == [
+        ("early.jsonl", 2, "W1", "READY for layer 2 on connection c1 before MF_META")]
+
+
+def test_a_reply_without_an_outstanding_ready_is_an_s3_divergence(tmp_path: Path) -> None:
+    """S3: the message names the connection (a record without a peer is connection '')."""
+    bad = _trace(tmp_path / "bad.jsonl", "decode", [
+        _msg("recv", None, "mf_meta"),
+        _msg("send", None, "read_done", 4),
+    ])
+    assert _where(validate([bad])) == [
+        ("bad.jsonl", 3, "S3", "read_done for layer 4 on connection  answers no "
+                               "outstanding READY")]
+
+
+def test_unanswered_readys_at_close_point_at_the_connection_last_line(tmp_path: Path) -> None:
+    """S3 at the end of a cleanly closed trace: the divergence points at the last record
+    of the connection; a connection Prefill saw ``lost`` is not judged (S5), one it only
+    saw ``open`` is."""
+    recs = [
+        {"k": "conn", "t": 0.0, "ev": "open", "peer": "d0:7000", "conn": "c1"},
+        _msg("send", "d0:7000", "mf_meta", conn="c1"),
+        _msg("send", "d0:7000", "read_ready_batch", 0, conn="c1"),
+        _msg("send", "d0:7000", "read_ready_batch", 1, conn="c1"),
+        _msg("recv", "d0:7000", "read_done", 0, conn="c1"),
+        {"k": "info", "t": 0.0, "note": "unrelated"},
+    ]
+    p = _trace(tmp_path / "p.jsonl", "prefill", recs)
+    assert _where(validate([p])) == [
+        ("p.jsonl", 6, "S3", "connection c1 closed with unanswered READY(s) per layer {1: 1}")]
+    lost = {"k": "conn", "t": 0.0, "ev": "lost", "peer": "d0:7000", "conn": "c1"}
+    assert validate([_trace(tmp_path / "lost.jsonl", "prefill", [*recs, lost])]).ok
+    # the conn record alone makes the connection: its line is the one reported
+    only = _trace(tmp_path / "only.jsonl", "prefill", [recs[0]])
+    assert validate([only]).ok
+    first = _trace(tmp_path / "first.jsonl", "prefill", [recs[2], recs[0]])
+    assert [d.line for d in validate([first]).divergences] == [2, 3]  # W1, then S3
+
+
+def test_both_ends_of_a_connection_must_count_the_same_frames(tmp_path: Path) -> None:
+    """S3 across files: Prefill's connection is paired with the Decode trace whose endpoint
+    its ``conn`` record names; READYs sent must be READYs received and replies likewise."""
+    def prefill(name: str, replies: int) -> Path:
+        return _trace(tmp_path / name, "prefill", [
+            {"k": "conn", "t": 0.0, "ev": "open", "peer": "d0:7000", "conn": "c1"},
+            _msg("send", "d0:7000", "mf_meta", conn="c1"),
+            _msg("send", "d0:7000", "read_ready_batch", 0, conn="c1"),
+            _msg("send", "d0:7000", "read_ready_batch", 0, conn="c1"),
+            *[_msg("recv", "d0:7000", "read_done", 0, conn="c1")] * replies,
+        ])
+
+    def decode(name: str, replies: int) -> Path:
+        return _trace(tmp_path / name, "decode", [
+            {"k": "info", "t": 0.0, "endpoint": "d0:7000"},
+            _msg("recv", "c1", "mf_meta"),
+            _msg("recv", "c1", "read_ready_batch", 0),
+            _msg("recv", "c1", "read_ready_batch", 0),
+            *[_msg("send", "c1", "read_done", 0)] * replies,
+        ], closed=replies == 2)
+
+    d2 = decode("d2.jsonl", 2)
+    assert validate([prefill("p2.jsonl", 2), d2]).ok
+    # Decode sent two replies, Prefill says it received one (and closed with one open)
+    got = _where(validate([prefill("p1.jsonl", 1), d2]))
+    assert ("p1.jsonl", 6, "S3", f"connection c1: {d2} sent replies per layer {{0: 2}}, "
+                                 "Prefill received {0: 1}") in got
+    # a Decode that did not close cleanly is not compared
+    assert validate([prefill("p2b.jsonl", 2), decode("d1.jsonl", 1)]).divergences == []
+
+
+def test_only_replies_decode_sends_are_matched_to_its_reads(tmp_path: Path) -> None:
+    """W3/F2 compares the replies Decode sends with the reads that ended; a READY that
+    arrives in between, or a read key that names no layer, is not a reply to judge."""
+    ok = _trace(tmp_path / "ok.jsonl", "decode", [
+        _msg("recv", "tcp://h:1", "mf_meta"),
+        _msg("recv", "tcp://h:1", "read_ready_batch", 0),
+        *_read("tcp://h:1/L0/0", "accept>reading", "read_completed>done"),
+        _msg("recv", "tcp://h:1", "read_ready_batch", 0),
+        _msg("send", "tcp://h:1", "read_ready_batch", 0),
+        _msg("send", "tcp://h:1", "read_done", 0),
+        _msg("send", "tcp://h:1", "read_done", 0),
+    ])
+    assert validate([ok]).ok, validate([ok]).summary()
+    # a peer with slashes in its name: the layer is the second-to-last part of the key
+    bad = _trace(tmp_path / "bad.jsonl", "decode", [
+        _msg("recv", "tcp://h:1", "mf_meta"),
+        _msg("recv", "tcp://h:1", "read_ready_batch", 0),
+        *_read("tcp://h:1/L0/0", "accept>reading", "read_completed>done"),
+        _msg("send", "tcp://h:1", "read_failed", 0),
+    ])
+    assert _where(validate([bad])) == [
+        ("bad.jsonl", 7, "W3", "read_failed for layer 0 to tcp://h:1 answers "
+                               "decode_layer_read[tcp://h:1/L0/0], which ended 'done' at "
+                               "line 6; it calls for read_done")]
+    odd = _trace(tmp_path / "odd.jsonl", "decode", [
+        _msg("recv", "p", "mf_meta"),
+        _msg("recv", "p", "read_ready_batch", 0),
+        *_read("p/M0/0", "reject>failed"),
+        _msg("send", "p", "read_done", 0),
+    ])
+    assert validate([odd]).ok

@@ -82,6 +82,7 @@ PER_TEST_TIMEOUT_S = 60  # pytest-timeout per test under a mutant (a mutant may 
 EQUIVALENTS = Path("tests/data/equivalent_mutants.json")
 STAGE = Path("build/mutation")
 HITS_ENV = "SFA_RD2H_MUTATION_HITS"
+STATS_FILES = "stats_files.json"  # in the stage: the targets mutmut's stats were taken for
 
 # mutmut's exit-code convention (mutmut.stats.status_by_exit_code), restated so that the
 # report can be read without importing mutmut.
@@ -232,6 +233,8 @@ def stage(root: Path, stage_dir: Path, files: Sequence[str], tests: Sequence[str
     _write_if_changed(hooks / "sfa_rd2h_mutation_plugin.py", _PLUGIN.format(hits_env=HITS_ENV))
     (stage_dir / "mutants").mkdir(parents=True, exist_ok=True)  # on PYTHONPATH from the start
     _refresh_unmutated(pkg, stage_dir / "mutants" / PACKAGE, {f"{PACKAGE}/{f}" for f in files})
+    _forget_stats_unless_covering(stage_dir, files)
+    _retest_undetected(stage_dir / "mutants", files)
     hits = stage_dir / "hits"
     shutil.rmtree(hits, ignore_errors=True)
     hits.mkdir()
@@ -257,6 +260,39 @@ def _sync_tree(src: Path, dst: Path) -> None:
                 path.unlink()
 
 
+def _forget_stats_unless_covering(stage_dir: Path, files: Sequence[str]) -> None:
+    """mutmut records which test reaches which function only for the files it mutated when
+    it collected its stats, and re-collects them only for new tests; a file added to the
+    targets since would get no tests for any mutant ("no tests"). So when the targets are
+    not a subset of those the stats were collected for, the stats go and mutmut collects
+    them anew (every selected test once); the mutants' results are kept."""
+    record = stage_dir / STATS_FILES
+    try:
+        covered = set(json.loads(record.read_text()))
+    except (OSError, ValueError):
+        covered = set()
+    if not set(files) <= covered:
+        (stage_dir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    _write_if_changed(record, json.dumps(sorted(files)))
+
+
+def _retest_undetected(mutants: Path, files: Sequence[str]) -> None:
+    """mutmut keeps a mutant's result until its function changes; a survivor would stay a
+    survivor after a test that kills it was added. So the targets' undetected mutants
+    (survived, no tests, suspicious) are marked untested and run again; detected ones keep
+    their result."""
+    for f in files:
+        meta = mutants / PACKAGE / (f + ".meta")
+        if not meta.exists():
+            continue
+        data = json.loads(meta.read_text())
+        codes = data.get("exit_code_by_key", {})
+        again = [k for k, c in codes.items() if _STATUS.get(c, "suspicious") in UNDETECTED]
+        if again:
+            codes.update(dict.fromkeys(again))
+            meta.write_text(json.dumps(data, indent=4))
+
+
 def _refresh_unmutated(pkg: Path, mutated_pkg: Path, targets: set[str]) -> None:
     """mutmut copies a file it does not mutate into ``mutants/`` once and never again; bring
     those copies up to date (a changed core must not be tested in its old version). A file
@@ -266,7 +302,13 @@ def _refresh_unmutated(pkg: Path, mutated_pkg: Path, targets: set[str]) -> None:
     for src in pkg.rglob("*.py"):
         rel = src.relative_to(pkg)
         if f"{PACKAGE}/{rel.as_posix()}" in targets:
-            continue  # mutmut regenerates it when the source is newer
+            # mutmut regenerates it when the source is newer; but a file it only copied in
+            # an earlier run (not a target then) is newer than its source and has no
+            # results: mutmut would take it as mutated and never mutate it.
+            dst = mutated_pkg / rel
+            if dst.exists() and not dst.with_name(dst.name + ".meta").exists():
+                dst.unlink()
+            continue
         dst = mutated_pkg / rel
         meta = dst.with_name(dst.name + ".meta")
         if meta.exists():
