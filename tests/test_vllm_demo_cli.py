@@ -77,3 +77,17 @@ def test_connector_stats_sum_the_log_lines():
     assert stats["requests_received"] == 3
     assert stats["avg_layer_read_ms"] == 2.5  # weighted by reads: (1*2 + 3*6) / 8
     assert stats["slowest_layer_read_ms"] == 5.0
+
+
+def test_launch_ports_are_free_distinct_and_below_the_ephemeral_range():
+    """An ephemeral port can be handed to another process's port-0 listener or outgoing
+    connection before the engine binds it; the launcher picks below that range."""
+    import socket
+
+    low, _ = launch._ephemeral_range()
+    ports = launch.free_ports(8, seed=1)
+    assert len(set(ports)) == 8
+    assert all(1024 <= p < low for p in ports)
+    for p in ports:  # each can be bound once chosen
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

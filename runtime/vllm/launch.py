@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -158,15 +159,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports, all held until every one is chosen."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> list[int]:
+    """``n`` distinct free ports below the kernel's ephemeral range, all held until every
+    one is chosen. Below it, no port-0 listener and no outgoing connection of another
+    process can be handed the port between now and the engine binding it (the README's
+    advice for ``kv_port``, followed here too)."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12288), low))
+    random.Random(seed).shuffle(candidates)
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
             s = socket.socket()
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
+            if len(socks) == n:
+                return [int(x.getsockname()[1]) for x in socks]
+        raise EngineError(f"fewer than {n} free ports in {low - 12288}-{low - 1} on {host}")
     finally:
         for s in socks:
             s.close()
