@@ -813,6 +813,11 @@ class DecodeWorker(_Worker):
         with self._cond:
             return self.core.local_outcome(ext_req_id)
 
+    def waiting_for_destinations(self) -> int:
+        """How many READYs wait for their request's destinations (C1); never blocks on I/O."""
+        with self._cond:
+            return len(self.core.waiting_reads())
+
     def apply_agreement(self, ext_req_id: str, all_ok: bool) -> list[RequestFinished]:
         """The TP group agreed on the request (R1, R2); returns the terminal status."""
         with self._cond:

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import select
 import socket
 import sys
 import threading
@@ -506,6 +507,12 @@ class _Handler(BaseHTTPRequestHandler):
                 status, payload = proxy._post(parts.path, body)
             else:
                 status, payload = proxy._get(parts.path, query)
+                if parts.path in _WORK_PATHS and payload and not self._client_alive():
+                    # The long poll's client died while it waited (a crashed rank): the
+                    # work goes back to its queue instead of into a dead socket.
+                    proxy._requeue(parts.path, query, payload)
+                    self.close_connection = True
+                    return
         except _HttpError as exc:
             status, payload = exc.status, {"error": str(exc)}
         except OSError as exc:  # the client went away or stalled past the socket timeout
@@ -519,6 +526,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(status, payload)
         except OSError as exc:
             log.info("metaserver: reply to %s lost: %s", self.address_string(), exc)
+
+    def _client_alive(self) -> bool:
+        """Whether the client still holds its end of the connection (a peek, never a read):
+        EOF or a reset means it is gone. A write to a dead peer can still succeed into the
+        kernel's buffer, so this is asked before the work is written, not after."""
+        try:
+            # select first: with a socket timeout set, recv would wait for data up to it
+            if not select.select([self.connection], [], [], 0)[0]:
+                return True  # nothing to read: a live client waiting for its answer
+            return self.connection.recv(1, socket.MSG_PEEK) != b""
+        except (OSError, ValueError):
+            return False
 
     def _read_json(self, limit: int) -> Any:
         raw_len = self.headers.get("Content-Length")
@@ -573,6 +592,9 @@ def _query_timeout(query: Mapping[str, list[str]], cap: float) -> float:
 
 class _Closing(Exception):
     pass
+
+
+_WORK_PATHS = ("/v1/decode_work", "/v1/prefill_work")
 
 
 class ProxyServer:
@@ -808,6 +830,26 @@ class ProxyServer:
                 raise _HttpError(503, "metaserver is shutting down") from None
         raise _HttpError(404, f"no such endpoint: GET {path}")
 
+    def _requeue(self, path: str, query: Mapping[str, list[str]],
+                 items: list[dict[str, Any]]) -> None:
+        """Work a long poll took for a client that is gone goes back to the front of its
+        queue, in order, for the instance's next poll."""
+        decode = path == "/v1/decode_work"
+        queues = self._decode_q if decode else self._prefill_q
+        with self._cond:
+            queues.setdefault(_query_str(query, "instance"), deque()).extendleft(
+                reversed(items))
+            self._mark_fetched(items, decode, False)
+            self._cond.notify_all()
+
+    def _mark_fetched(self, items: list[dict[str, Any]], decode: bool, fetched: bool) -> None:
+        """Whether the work items are out with a poller (lock held)."""
+        for item in items:
+            if decode:
+                self._subs[item["request_id"]][1].decode_fetched = fetched
+            else:
+                self._jobs[item["job"]].prefill_fetched = fetched
+
     def _take(
         self,
         queues: dict[str, deque[dict[str, Any]]],
@@ -824,11 +866,7 @@ class ProxyServer:
                 if queue:
                     items = list(queue)
                     queue.clear()
-                    for item in items:
-                        if decode:
-                            self._subs[item["request_id"]][1].decode_fetched = True
-                        else:
-                            self._jobs[item["job"]].prefill_fetched = True
+                    self._mark_fetched(items, decode, True)
                     self._cond.notify_all()
                     return items
                 remaining = deadline - time.monotonic()

@@ -42,3 +42,26 @@ if sys.version_info < (3, 11, 8):
             return _unlocked_parse(*args, **kwargs)
 
     ast.parse = _serialized_parse
+
+
+# Scenario tables: a test appends rows (``scenario_table`` fixture), and they are printed in
+# the terminal summary, whatever ``-s``/``-r`` say, so a CI log always shows them.
+_SCENARIO_ROWS = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def scenario_table(request: pytest.FixtureRequest) -> list:
+    """Rows ``(scenario, outcome)`` for the end-of-run table; the outcome must be computed
+    from what the test observed."""
+    return request.config.stash.setdefault(_SCENARIO_ROWS, [])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    rows = config.stash.get(_SCENARIO_ROWS, [])
+    if not rows:
+        return
+    terminalreporter.section("fault scenarios: scenario -> outcome, as observed")
+    width = max(len(name) for name, _ in rows)
+    for name, outcome in sorted(rows):
+        terminalreporter.write_line(f"{name:<{width}}  {outcome}")

@@ -4,6 +4,7 @@ retry semantics of ``post_rendezvous``, rendezvous validation, and bad HTTP inpu
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import socket
 import threading
@@ -606,3 +607,108 @@ def test_a_waiting_prefill_poll_returns_as_soon_as_its_job_is_queued() -> None:
         assert not poll.is_alive() and elapsed < 5.0, elapsed
         [[job]] = got
         assert job["job"] == job_id and len(job["requests"]) == 2
+
+
+class _DecodePollWatch(ProxyServer):
+    """Counts the Decode long polls that have started waiting (entered ``_take``)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.waiting = threading.Semaphore(0)
+
+    def _take(self, queues: Any, instance: str, timeout: float, decode: bool) -> Any:
+        with self._cond:
+            if decode:
+                self.waiting.release()
+            return super()._take(queues, instance, timeout, decode)
+
+
+def test_work_taken_for_a_dead_long_poll_goes_to_the_next_poll() -> None:
+    """A Decode rank crashed while its long poll waited (restart-decode): the work that
+    arrives next must reach the restarted rank's poll, not the dead socket (issue 9)."""
+    with _DecodePollWatch(max_poll_s=30.0) as proxy:
+        host, port = proxy.url.split("//")[1].split(":")
+        dead = socket.create_connection((host, int(port)))
+        dead.sendall(b"GET /v1/decode_work?instance=d0&timeout=20 HTTP/1.1\r\n"
+                     b"Host: x\r\n\r\n")
+        assert proxy.waiting.acquire(timeout=10)  # the dead client's poll waits now
+        dead.close()  # the crash: the kernel closes its socket, the poll still waits
+        proxy.submit(["a", "b"], "d0", "p0", job_id="j")
+        t0 = time.monotonic()
+        items = fetch_work(proxy.url, "decode", "d0", timeout=10)
+        assert [i["request_id"] for i in items] == ["j-0", "j-1"]
+        assert time.monotonic() - t0 < 10  # given to this poll, not found at its timeout
+
+
+# --------------------------------------------------------------------------- /v1/finished
+
+
+@pytest.mark.parametrize(("body", "status", "error"), [
+    ([], 400, "body: expected a JSON object, got list"),
+    ({"ok": True, "role": "decode"}, 400, "field 'request_id': expected a non-empty string"),
+    ({"request_id": "", "ok": True, "role": "decode"}, 400,
+     "field 'request_id': expected a non-empty string"),
+    ({"request_id": 7, "ok": True, "role": "decode"}, 400,
+     "field 'request_id': expected a non-empty string"),
+    ({"request_id": "r", "role": "decode"}, 400, "field 'ok': expected a boolean"),
+    ({"request_id": "r", "ok": True, "role": "x"}, 400,
+     "field 'role': expected one of ['prefill', 'decode'], got 'x'"),
+    ({"request_id": "r", "ok": True, "role": "decode", "error": 3}, 400,
+     "field 'error': expected a string"),
+    ({"request_id": "ghost", "ok": True, "role": "decode"}, 404, "unknown request_id 'ghost'"),
+])
+def test_finished_refuses_a_bad_report_naming_the_field(
+        proxy: ProxyServer, body: object, status: int, error: str) -> None:
+    assert _raw(proxy.url, "POST", "/v1/finished", json.dumps(body).encode()) == (
+        status, {"error": error})
+
+
+def test_finished_answers_first_and_repeated_reports(proxy: ProxyServer) -> None:
+    """A report is acknowledged, a repeat with the same outcome says it was a duplicate,
+    a contradicting one is refused; a long error text is kept up to 4096 characters.
+    A base URL with a trailing slash works."""
+    job_id = proxy.submit("hello", "d1", "p1", job_id="j")
+    report = {"request_id": "j-0", "ok": False, "role": "decode", "error": "e" * 5000}
+    post = json.dumps(report).encode()
+    assert _raw(proxy.url, "POST", "/v1/finished", post) == (200, {"status": "ok"})
+    assert _raw(proxy.url, "POST", "/v1/finished", post) == (
+        200, {"status": "ok", "duplicate": True})
+    flipped = json.dumps({**report, "ok": True}).encode()
+    assert _raw(proxy.url, "POST", "/v1/finished", flipped) == (
+        409, {"error": "request_id 'j-0': decode already reported ok=False"})
+    assert proxy.status(job_id)["requests"][0]["errors"] == {"decode": "e" * 4096}
+    report_finished(proxy.url + "/", "j-0", ok=False, role="decode")  # a duplicate, no error
+
+
+def test_report_finished_gives_up_at_its_timeout() -> None:
+    """A proxy that accepts but never answers: report_finished fails at its timeout
+    (5 s unless given), it does not hang its worker."""
+    assert inspect.signature(report_finished).parameters["timeout"].default == 5.0
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(OSError):
+            report_finished(url, "r", ok=True, role="decode", timeout=0.2)
+
+
+def test_wait_job_returns_a_job_that_finishes_while_it_waits(proxy: ProxyServer) -> None:
+    """wait_job blocks until the job is done, however short its timeout, and returns its
+    status; a job that does not finish in time is a TimeoutError, not a hang."""
+    job_id = proxy.submit("hello", "d1", "p1", job_id="j")
+    with pytest.raises(TimeoutError, match=r"job j not finished after 0.05s"):
+        proxy.wait_job(job_id, 0.05)
+    cond = proxy._cond
+    waits: list[float | None] = []
+
+    def wait(timeout: float | None = None) -> bool:
+        # The waiter holds the (re-entrant) lock here: the report lands while it waits,
+        # as one from a handler thread would, and wakes it.
+        waits.append(timeout)
+        assert proxy._post("/v1/finished", {"request_id": "j-0", "ok": False,
+                                            "role": "decode"}) == (200, {"status": "ok"})
+        return True
+
+    cond.wait = wait  # type: ignore[method-assign]
+    status = proxy.wait_job(job_id, 0.5)
+    assert len(waits) == 1 and status["done"] is True and status["ok"] is False

@@ -52,6 +52,16 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="workload seed")
     p.add_argument("--timeout", type=float, default=d.timeout,
                    help="overall seconds before everything is killed (exit 1)")
+    for name, what in (("reply-timeout", "Prefill: a READY unanswered this long loses its "
+                                          "reader (S5)"),
+                       ("destination-wait", "Decode: how long a READY waits for its "
+                                            "request's destinations (C1)"),
+                       ("request-deadline", "Decode: every contributor final by then, else "
+                                            "the request fails (R1)"),
+                       ("tp-timeout", "Decode: one TP-group collective (R2)")):
+        p.add_argument(f"--{name}", type=float, default=None,
+                       help=f"{what}; default: short under a fault injection, else bounded "
+                            "by --timeout")
     p.add_argument("--kv-port", type=int, default=None,
                    help="Decode base port (default: a free span)")
     p.add_argument("--host", default=d.host, help="loopback or host address to use")
@@ -77,7 +87,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         block_tokens=args.block_tokens,
         chunk_tokens=args.chunk_tokens, max_tokens=args.max_tokens, host=args.host,
         seed=args.seed, progress=not (args.json or args.quiet), tp_group=args.tp_group,
-        verbose=args.verbose)
+        verbose=args.verbose, reply_timeout=args.reply_timeout,
+        destination_wait=args.destination_wait, request_deadline=args.request_deadline,
+        tp_timeout=args.tp_timeout)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -96,7 +108,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                    expectation=result.expectation,
                    expectation_met=result.expectation_met,
                    prefill_gate_errors=result.prefill_gate_errors,
-                   failed_requests=result.failed_requests, problems=result.problems)
+                   failed_requests=result.failed_requests, problems=result.problems,
+                   outcomes=result.outcomes, observed=result.observed)
         print(json.dumps(out))
     elif not result.interrupted:
         print(result.summary())

@@ -19,24 +19,48 @@ from sfa_rd2h.runtime.engines import (
     TransferResult,
     make_engine,
 )
-from sfa_rd2h.runtime.tools.demo.process import Channel, Plan, close_quietly, make_tracer
-from sfa_rd2h.runtime.tools.demo.workload import Patterns, engine_kwargs, n_blocks
+from sfa_rd2h.runtime.tools.demo.process import (
+    Channel,
+    Plan,
+    close_quietly,
+    crash,
+    live_threads,
+    make_tracer,
+)
+from sfa_rd2h.runtime.tools.demo.workload import WORK_POLL_S, Patterns, engine_kwargs, n_blocks
 from sfa_rd2h.spec.topology import decode_rank_port
 
 # ---------------------------------------------------------------------------- Decode
 
+AGREEMENT_ROUND_S = 0.02  # a rank joins the next TP round at most this long after the last
+AGREEMENT_CLOSE_S = 2.0  # shutdown: the agreement thread is joined within this
+SLOW_MARGIN_S = 0.5  # slow-reader: how far past the longer timeout the slow read ends
+LATE_POLL_S = 0.005  # late-destinations: between two looks at the READYs waiting (C1)
 
-class _FailingReads(TransferEngine):
-    """``--inject read-failure``: batched reads that write into the victim's destinations of
-    one layer return a transfer error (F2); everything else goes to the real engine."""
 
-    name = "inject-read-failure"
+class _FaultyReads(TransferEngine):
+    """A fault injected into the transfer engine: the batched reads that write into a target
+    address range (the victim's destinations of one layer, or the whole layer) misbehave as
+    ``mode`` says; every other read goes to the real engine.
 
-    def __init__(self, inner: TransferEngine) -> None:
+    * ``fail`` (read-failure): the read returns a transfer error (F2).
+    * ``raise`` (engine-failure): the engine raises, and keeps raising on every later read,
+      as a broken engine would; the runtime hands the exception to the core (F2).
+    * ``slow`` (slow-reader): the read starts only after ``delay`` seconds, longer than
+      Prefill's reply timeout.
+    * ``crash`` (kill-decode, restart-decode): the process is SIGKILLed mid-read.
+    """
+
+    name = "inject-faulty-reads"
+
+    def __init__(self, inner: TransferEngine, mode: str, *, delay: float = 0.0,
+                 on_crash: Any = None) -> None:
         super().__init__()
         self.inner = inner
+        self.mode = mode
+        self.delay = delay
         self.fired = 0
-        self.touched: set[str] = set()
+        self._on_crash = on_crash
         self._ranges: tuple[np.ndarray, np.ndarray] | None = None
 
     def set_victim(self, starts: np.ndarray, lengths: np.ndarray) -> None:
@@ -58,18 +82,39 @@ class _FailingReads(TransferEngine):
     def close(self) -> None:
         self.inner.close()
 
+    def _hits(self, local_addrs: Any, lengths: Any) -> bool:
+        ranges = self._ranges
+        if ranges is None:
+            return False
+        lo = np.asarray(local_addrs, dtype=np.uint64)[:, None]
+        hi = lo + np.asarray(lengths, dtype=np.uint64)[:, None]
+        return bool(((lo < ranges[1][None, :]) & (ranges[0][None, :] < hi)).any())
+
     def batch_transfer_sync_read(self, session: str, local_addrs: Any, peer_addrs: Any,
                                  lengths: Any) -> int:
-        ranges = self._ranges
-        if ranges is not None:
-            lo = np.asarray(local_addrs, dtype=np.uint64)[:, None]
-            hi = lo + np.asarray(lengths, dtype=np.uint64)[:, None]
-            if bool(((lo < ranges[1][None, :]) & (ranges[0][None, :] < hi)).any()):
-                self.fired += 1
+        broken = self.mode == "raise" and self.fired > 0
+        if broken or self._hits(local_addrs, lengths):
+            self.fired += 1
+            if self.mode == "fail":
                 return self._fail(TransferResult.BACKEND, "injected read failure")
+            if self.mode == "raise":
+                raise RuntimeError("injected transfer-engine failure")
+            if self.mode == "crash":
+                self._on_crash()
+            if self.mode == "slow":
+                time.sleep(self.delay)  # the injected slowness itself, not a wait for anything
         result = self.inner.batch_transfer_sync_read(session, local_addrs, peer_addrs, lengths)
         self.last_error = self.inner.last_error
         return result
+
+
+#: --inject value -> the read fault it injects, and the Decode rank it hits.
+_READ_FAULTS = {"read-failure": "fail", "engine-failure": "raise", "slow-reader": "slow",
+                "kill-decode": "crash", "restart-decode": "crash"}
+
+
+def _fault_rank(plan: Plan) -> int:
+    return plan.cfg.d_tp - 1 if plan.cfg.inject == "kill-decode" else 0
 
 
 class _DecodeMemory:
@@ -119,6 +164,12 @@ class _DecodeMemory:
                 tuple(int(v.ctypes.data) for v in views), tuple(block_bytes), tuple(capacity),
                 2, cfg.indexer, cfg.indexer and cfg.scale)
 
+    def layer_ranges(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole destination range of one layer, every tensor."""
+        views = [v for (lay, _t), v in self.views.items() if lay == layer]
+        return (np.array([int(v.ctypes.data) for v in views], dtype=np.int64),
+                np.array([v.nbytes for v in views], dtype=np.int64))
+
     def victim_ranges(self, layer: int, main: np.ndarray, idx: np.ndarray,
                       n_tensors: int) -> tuple[np.ndarray, np.ndarray]:
         starts, lens = [], []
@@ -151,8 +202,58 @@ class _DecodeMemory:
         self._local.clear()
 
 
+class _BrokenGroupFallback:
+    """R2 without a TP group: once the group is broken (a Decode rank died, so no collective
+    can complete), no request can be agreed ok. Every request without a terminal state is
+    then failed here, as soon as no read writes into its blocks any more (R5), instead of
+    waiting forever for an agreement that cannot come; requests registered later too."""
+
+    def __init__(self, worker: Any, loop: Any) -> None:
+        self.worker = worker
+        self.loop = loop
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._registered: set[str] = set()
+        self._done: set[str] = set()
+
+    def on_ready(self, ready: Any) -> None:  # the DecodeWorker's on_ready
+        if self.error is None:
+            self.loop.notify(ready)
+        else:
+            self._fail(ready.ext_req_id)
+
+    def registered(self, ext: str) -> None:
+        with self._lock:
+            self._registered.add(ext)
+            broken = self.error is not None
+        if broken:
+            self._fail(ext)
+
+    def on_agreed(self, ext: str, ok: bool) -> None:
+        with self._lock:
+            self._done.add(ext)
+
+    def broke(self, error: str) -> None:
+        with self._lock:
+            self.error = error
+            pending = sorted(self._registered - self._done)
+        for ext in pending:
+            self._fail(ext)
+
+    def _fail(self, ext: str) -> None:
+        self.worker.abort_request(ext, f"R2: the Decode TP group is broken: {self.error}")
+        with self._lock:
+            if ext in self._done or self.worker.local_outcome(ext) is None:
+                return  # terminal already, or a read still writes into it: on_ready comes
+            self._done.add(ext)
+        self.worker.apply_agreement(ext, False)
+
+
 def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
-                 inbox: Connection | None) -> None:
+                inbox: Connection | None, incarnation: int = 0,
+                expect: list[str] | None = None) -> None:
+    """One Decode rank. ``incarnation`` > 0 is a restarted rank (restart-decode), which
+    handles only the requests in ``expect`` (those submitted after the restart)."""
     from sfa_rd2h.runtime.control import AgreementLoop, DecodeWorker
     from sfa_rd2h.runtime.metaserver import (
         Rendezvous,
@@ -164,107 +265,161 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
     from sfa_rd2h.statemachines.cores.decode import DecodeCore
 
     cfg = plan.cfg
+    times = cfg.timeouts()
+    mine = list(plan.index) if expect is None else list(expect)
     port = decode_rank_port(plan.base_port, rank, cfg.d_tp)
+    name = f"decode{rank}" + (f".{incarnation}" if incarnation else "")
     with ExitStack() as stack:  # owns every resource from creation on (see prefill_rank)
-        tracer = make_tracer(plan, f"decode{rank}", role="decode", rank=rank,
-                         endpoint=f"{cfg.host}:{port}")
+        tracer = make_tracer(plan, name, role="decode", rank=rank,
+                             endpoint=f"{cfg.host}:{port}")
         stack.callback(close_quietly, tracer.close)
         engine: TransferEngine = make_engine(cfg.engine, **engine_kwargs(cfg, "decode"))
         stack.callback(close_quietly, engine.close)
         engine.initialize(cfg.host, 0)
         injector = None
-        if cfg.inject == "read-failure" and rank == 0:
-            engine = injector = _FailingReads(engine)
+        fault = _READ_FAULTS.get(cfg.inject)
+        if fault is not None and rank == _fault_rank(plan) and incarnation == 0:
+            # slow-reader: the read outlasts both Prefill's reply timeout and this request's
+            # deadline, so both sides must give up on it, and nothing may hang on it.
+            slow = max(times["reply_timeout"], times["request_deadline"]) + SLOW_MARGIN_S
+            engine = injector = _FaultyReads(engine, fault, delay=slow,
+                                             on_crash=lambda: crash(tracer))
         mem = _DecodeMemory(plan, rank, engine)
         stack.callback(close_quietly, mem.close)
-        core = DecodeCore(rank, cfg.d_tp, mem.dest, destination_wait=min(30.0, cfg.timeout),
-                          request_deadline=cfg.timeout, observer=tracer)
+        if injector is not None and fault == "crash":
+            injector.set_victim(*mem.layer_ranges(cfg.inject_layer))
+        core = DecodeCore(rank, cfg.d_tp, mem.dest, destination_wait=times["destination_wait"],
+                          request_deadline=times["request_deadline"], observer=tracer)
         group: TpGroup
         if cfg.d_tp > 1 and cfg.tp_group == "gloo":
             from sfa_rd2h.runtime.tp_group import GlooTpGroup
 
             group = GlooTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.tp_port}",
-                                timeout=cfg.timeout)
+                                timeout=times["tp_timeout"])
         elif cfg.d_tp > 1:
             from sfa_rd2h.runtime.zmq_tp_group import ZmqTpGroup
 
             group = ZmqTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.tp_port}",
-                               timeout=cfg.timeout)
+                               timeout=times["tp_timeout"])
         else:
             group = SingleRankGroup()
         stack.callback(close_quietly, group.close)
         finished: queue.Queue = queue.Queue()
-        loop = AgreementLoop(group, round_wait=0.02)
+        worker: Any = None
+        fallback = _BrokenGroupFallback(None, None)
+        loop = AgreementLoop(group, round_wait=AGREEMENT_ROUND_S, on_agreed=fallback.on_agreed)
         worker = DecodeWorker(core, engine, port, host=cfg.host, tracer=tracer,
-                              on_ready=loop.notify, on_finished=finished.put)
+                              on_ready=fallback.on_ready, on_finished=finished.put)
+        fallback.worker, fallback.loop = worker, loop
         stack.callback(close_quietly, worker.close)
-        stack.callback(close_quietly, lambda: loop.close(timeout=2.0))  # runs first: it uses worker
-        loop.start(worker, until=lambda agreed: len(agreed) >= plan.n)
+        stack.callback(close_quietly, lambda: loop.close(timeout=AGREEMENT_CLOSE_S))  # runs first
+        loop.start(worker, until=lambda agreed: len(agreed) >= len(mine))
         allocated: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         idx_pool = np.roll(np.arange(1, plan.d_blocks), 5 * rank)  # rank-local indexer blocks
         cursor = [0]
         failure: list[str] = []
+        waited = [0]  # late-destinations: READYs found waiting when the victim registered
+        live_peers = list(peers)
 
         def register(ext: str, main: np.ndarray) -> None:
             nb = main.size
             idx = idx_pool[cursor[0]:cursor[0] + nb]
             cursor[0] += nb
             allocated[ext] = (main, idx)
-            if injector is not None and ext == plan.victim:
+            if injector is not None and fault != "crash" and ext == plan.victim:
                 injector.set_victim(*mem.victim_ranges(cfg.inject_layer, main, idx,
                                                        len(plan.tbytes)))
             worker.register_request(ext, main.tolist(), idx.tolist())
+            fallback.registered(ext)
+
+        def share(ext: str, main: np.ndarray) -> None:
+            """Rank 0 hands the allocation to the other ranks (vLLM: the scheduler output);
+            a rank that died (kill-decode) is skipped, its pipe is broken."""
+            for peer in list(live_peers):
+                try:
+                    peer.send(("register", ext, main))
+                except OSError:
+                    live_peers.remove(peer)
+            register(ext, main)
+
+        def register_late(ext: str, main: np.ndarray) -> None:
+            """late-destinations: the rendezvous went out before the destinations were
+            registered; register once a READY waits for them (C1), within the wait."""
+            end = time.monotonic() + times["destination_wait"]
+            poll = threading.Event()  # never set: a bounded pause between two looks
+            while worker.waiting_for_destinations() == 0 and time.monotonic() < end:
+                poll.wait(LATE_POLL_S)
+            waited[0] = worker.waiting_for_destinations()
+            share(ext, main)
 
         def scheduler() -> None:
             try:
                 if rank == 0:
                     main_cursor, fetched = 1, 0  # block 0 stays unused
-                    while fetched < plan.n:
-                        for item in fetch_work(plan.proxy_url, "decode", "decode-0", timeout=2.0):
+                    late: list[threading.Thread] = []
+                    while fetched < len(mine):
+                        for item in fetch_work(plan.proxy_url, "decode", "decode-0",
+                                               timeout=WORK_POLL_S):
                             ext = item["request_id"]
                             nb = n_blocks(item["num_tokens"], cfg.block_tokens)
                             main = np.arange(main_cursor, main_cursor + nb)
                             main_cursor += nb
-                            for peer in peers:
-                                peer.send(("register", ext, main))
-                            register(ext, main)
-                            post_rendezvous(item["metaserver"], Rendezvous(
+                            delay = cfg.inject == "late-destinations" and ext == plan.victim
+                            if not delay:
+                                share(ext, main)
+                            post_rendezvous(plan.metaserver_url or item["metaserver"],
+                                            Rendezvous(
                                 request_id=ext, remote_engine_id="demo-decode",
                                 remote_host=cfg.host, remote_port=plan.base_port,
                                 remote_tp_size=cfg.d_tp, remote_cached_tokens=0))
+                            if delay:
+                                t = threading.Thread(target=register_late, args=(ext, main),
+                                                     name=f"{name}-late", daemon=True)
+                                t.start()
+                                late.append(t)
                             fetched += 1
+                    for t in late:
+                        t.join(times["destination_wait"] + cfg.timeout)
                 else:
                     assert inbox is not None
-                    for _ in range(plan.n):
+                    for _ in range(len(mine)):
                         _, ext, main = inbox.recv()
                         register(ext, main)
             except BaseException as exc:  # noqa: BLE001 - the main thread reports it
                 failure.append(traceback.format_exc())
                 finished.put(exc)
 
-        sched = threading.Thread(target=scheduler, name=f"decode{rank}-scheduler", daemon=True)
+        def watch_group() -> None:
+            """The agreement loop ends when every request is agreed, or when the group
+            broke (a collective timed out): then the fallback fails what is left."""
+            loop.wait(cfg.timeout)
+            if loop.error is not None:
+                fallback.broke(repr(loop.error))
+
+        sched = threading.Thread(target=scheduler, name=f"{name}-scheduler", daemon=True)
+        watcher = threading.Thread(target=watch_group, name=f"{name}-watch", daemon=True)
         chan.send("ready", {"endpoint": worker.endpoint})
         sched.start()
+        watcher.start()
         outcomes: dict[str, tuple[bool, str | None]] = {}
+        reported: dict[str, int] = {}  # request -> times its terminal state was reported
         deadline = time.monotonic() + cfg.timeout
-        while len(outcomes) < plan.n:
+        while len(outcomes) < len(mine):
             try:
                 item = finished.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                missing = sorted(set(plan.index) - set(outcomes))
-                raise TimeoutError(f"decode{rank}: no terminal state within "
+                missing = sorted(set(mine) - set(outcomes))
+                raise TimeoutError(f"{name}: no terminal state within "
                                    f"{cfg.timeout:g}s for {missing}") from None
             if isinstance(item, BaseException):
                 raise RuntimeError(f"decode scheduler failed:\n{failure[0]}")
+            reported[item.ext_req_id] = reported.get(item.ext_req_id, 0) + 1
             outcomes[item.ext_req_id] = (item.ok, item.error)
             if rank == 0:
                 report_finished(plan.proxy_url, item.ext_req_id, ok=item.ok, role="decode",
                                 error=item.error)
                 chan.send("finished", item.ext_req_id, item.ok, item.error)
-        if not loop.wait(cfg.timeout):
-            raise RuntimeError("agreement loop did not end after every request was agreed")
-        if loop.error is not None:
-            raise RuntimeError(f"agreement failed: {loop.error!r}")
+        watcher.join(cfg.timeout)
         sched.join(cfg.timeout)
         pats = [Patterns(nbytes) for nbytes in plan.tbytes]
         t0 = time.perf_counter()
@@ -273,9 +428,14 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
             if ok:
                 mismatches += mem.verify(plan, ext, *allocated[ext], pats)
         chan.send("report", {
-            "role": "decode", "rank": rank,
+            "role": "decode", "rank": rank, "incarnation": incarnation,
             "outcomes": {ext: ok for ext, (ok, _e) in outcomes.items()},
             "errors": {ext: e for ext, (ok, e) in outcomes.items() if not ok},
+            # R5: a failed request's destination blocks are reported as load errors, once
+            "load_errors": {ext: int(allocated[ext][0].size) for ext, (ok, _e)
+                            in outcomes.items() if not ok and ext in allocated},
+            "reported_twice": sorted(ext for ext, n in reported.items() if n > 1),
+            "allocated": {ext: int(m.size) for ext, (m, _i) in allocated.items()},
             "mismatches": [m[3] for m in mismatches[:20]], "n_mismatches": len(mismatches),
             "mismatch_at": sorted({(m[0], m[1]) for m in mismatches}),
             "verify_seconds": time.perf_counter() - t0,
@@ -283,12 +443,9 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
             "failed_reads": worker.stats.failed_reads, "rounds": loop.rounds,
             "read_seconds": worker.stats.read_seconds,
             "injected": injector.fired if injector is not None else 0,
+            "group_error": fallback.error, "late_waited": waited[0],
         })
         # Stay up until the parent says every Prefill rank is done (their last replies
         # must not meet a closed ROUTER).
         chan.conn.recv()
-
-
-# ============================================================================ parent
-
-
+    chan.send("closed", live_threads())

@@ -15,11 +15,20 @@ from sfa_rd2h.runtime.engines import (
     TransferEngine,
     make_engine,
 )
-from sfa_rd2h.runtime.tools.demo.process import Channel, Plan, close_quietly, make_tracer
-from sfa_rd2h.runtime.tools.demo.workload import Patterns, engine_kwargs, n_blocks
+from sfa_rd2h.runtime.tools.demo.process import (
+    Channel,
+    Plan,
+    close_quietly,
+    crash,
+    live_threads,
+    make_tracer,
+)
+from sfa_rd2h.runtime.tools.demo.workload import WORK_POLL_S, Patterns, engine_kwargs, n_blocks
 from sfa_rd2h.spec.topology import tp_mapping
 
 # ---------------------------------------------------------------------------- Prefill
+
+FETCH_JOIN_S = WORK_POLL_S + 3.0  # the intake thread ends within one long poll of its stop
 
 
 class _PrefillKv:
@@ -69,7 +78,7 @@ def _prefill_fetch(plan: Plan, out: queue.Queue, stop: threading.Event) -> None:
 
     got = 0
     while got < plan.n and not stop.is_set():
-        for job in fetch_work(plan.proxy_url, "prefill", "prefill-0", timeout=2.0):
+        for job in fetch_work(plan.proxy_url, "prefill", "prefill-0", timeout=WORK_POLL_S):
             out.put(job)
             got += len(job["requests"])
 
@@ -81,6 +90,7 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
     from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
 
     cfg = plan.cfg
+    doomed = cfg.inject == "kill-prefill" and rank == cfg.p_tp - 1  # crashes mid-layer
     # Each resource is owned by the stack from the moment it exists, so a failure or a
     # SIGTERM at any point still closes the engine (its /dev/shm files) and the trace.
     with ExitStack() as stack:
@@ -91,13 +101,23 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         session = engine.initialize(cfg.host, 0)
         kv = _PrefillKv(plan, engine)
         core = PrefillCore(rank, tp_mapping(cfg.p_tp, cfg.d_tp), session, _layer_meta(plan, kv),
-                           block_size=cfg.block_tokens, reply_timeout=min(30.0, cfg.timeout),
+                           block_size=cfg.block_tokens,
+                           reply_timeout=cfg.timeouts()["reply_timeout"],
                            observer=tracer)
         worker = PrefillWorker(core, tracer=tracer)
         stack.callback(close_quietly, worker.close)
         pats = [Patterns(nbytes) for nbytes in plan.tbytes]
         errors: list[str] = []
         steps: list[list[str]] = []
+        # Per request, the first gate error (S4) of a publication that carried it: the gate
+        # of layer l's slot fails for the step that last published that slot.
+        failed: dict[str, str] = {}
+        last_pub: dict[int, list[str]] = {}
+
+        def blame(layer: int, exc: LayerSendError) -> None:
+            errors.append(str(exc))
+            for ext in last_pub.get(layer % cfg.slots, []):
+                failed.setdefault(ext, str(exc))
         timing = {"gate_wait": 0.0, "compute": 0.0}
         stale = plan.index[plan.victim] if cfg.inject == "stale-kv" and plan.victim else -1
         chan.send("ready", {"session": session})
@@ -119,15 +139,18 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
                 try:
                     worker.wait_for_layer_send(layer, cfg.timeout)
                 except LayerSendError as exc:  # S4: the slot's readers failed; it is free now
-                    errors.append(str(exc))
+                    blame(layer, exc)
                 t1 = time.perf_counter()
                 worker.begin_layer(layer)
+                last_pub[layer % cfg.slots] = [s[0] for s in step]
                 slot = kv.slots[layer % cfg.slots]
                 for req, pos, ids, idx in writes:
                     if req == stale and layer == cfg.inject_layer:
                         continue  # --inject stale-kv: published, never written (failure 4)
                     for t, arr in enumerate(slot):
                         arr[ids if t < 2 else idx] = pats[t].blocks(req, layer, pos, t)
+                    if doomed and layer == cfg.inject_layer:
+                        crash(tracer)  # kill-prefill: mid-layer, part of its KV written
                 worker.layer_written(layer, None)  # CPU writes landed already (C4)
                 timing["gate_wait"] += t1 - t0
                 timing["compute"] += time.perf_counter() - t1
@@ -169,15 +192,19 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
                     r["done"] = min(r["tokens"], r["done"] + cfg.chunk_tokens)
                     step.append((r["ext"], r.pop("params", None), r["main"], r["idx"],
                                  r["done"], r["done"] == r["tokens"]))
-                for peer in peers:
-                    peer.send(("step", step))
+                for peer in list(peers):
+                    try:
+                        peer.send(("step", step))
+                    except OSError:  # that rank died (kill-prefill): the others go on
+                        peers.remove(peer)
                 run_step(step)
                 steps.append([s[0] for s in step])
+                chan.send("step", [s[0] for s in step if s[5]])  # requests fully computed
                 active = [r for r in active if r["done"] < r["tokens"]]
             for peer in peers:
                 peer.send(("end",))
             stop.set()
-            fetcher.join(5.0)
+            fetcher.join(FETCH_JOIN_S)
         else:
             assert inbox is not None
             while True:
@@ -185,10 +212,19 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
                 if msg[0] == "end":
                     break
                 run_step(msg[1])
+                steps.append([s[0] for s in msg[1]])
+        # Every slot's latest publication answered: its failure is observed and blamed on
+        # the requests it carried (S4), then nothing is left for drain but to confirm it.
+        for layer in range(min(cfg.slots, cfg.layers)):
+            try:
+                worker.wait_for_layer_send(layer, cfg.timeout)
+            except LayerSendError as exc:
+                blame(layer, exc)
         errors += worker.drain(cfg.timeout)
         if rank == 0:
             for ext in plan.index:
-                report_finished(plan.proxy_url, ext, ok=True, role="prefill")
+                report_finished(plan.proxy_url, ext, ok=ext not in failed, role="prefill",
+                                error=failed.get(ext))
     # Closed: every READY was answered (drain), so no Decode read needs this memory any
     # more, and the parent never stops a Decode rank under a live connection.
     chan.send("report", {
@@ -196,6 +232,8 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         "rtts": worker.round_trips(), "stale_replies": core.stale_replies,
         "frames_sent": worker.stats.frames_sent, "peers_lost": worker.stats.peers_lost,
         "gate_wait_seconds": timing["gate_wait"], "compute_seconds": timing["compute"],
+        "request_errors": failed, "requests": sorted({e for s in steps for e in s}),
+        "threads_left": live_threads(),
     })
 
 

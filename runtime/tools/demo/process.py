@@ -32,6 +32,9 @@ class Plan:
     pool_path: str
     trace_dir: str
     log_dir: str | None = None  # None: children write to our stderr (--verbose)
+    # Where Decode posts rendezvous; None: the URL the work item names (metaserver-down
+    # points it at a relay that cuts the first connections, F1).
+    metaserver_url: str | None = None
 
     @property
     def n(self) -> int:
@@ -73,6 +76,22 @@ def make_tracer(plan: Plan, name: str, **info: Any) -> Any:
     from sfa_rd2h.statemachines.trace import Tracer
 
     return Tracer(Path(plan.trace_dir) / f"{name}.jsonl", name, **info)
+
+
+def crash(tracer: Any) -> None:
+    """A crash injection: SIGKILL this process, with no cleanup - sockets are closed by the
+    kernel, engines and threads are not stopped. Only the trace is flushed first (without
+    its close marker, ``Tracer.abandon``, as the model checker's crashed Decode leaves it), so
+    the validator judges what the process did up to the crash rather than a torn line."""
+    tracer.abandon()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def live_threads() -> list[str]:
+    """Python threads other than the main one still running: a rank reports them after its
+    cleanup, and the parent judges a non-empty list as a thread that did not exit."""
+    main = threading.main_thread()
+    return sorted(t.name for t in threading.enumerate() if t is not main and t.is_alive())
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

@@ -29,7 +29,9 @@ from sfa_rd2h.runtime.engines import (
 from sfa_rd2h.runtime.tools.demo.decode_rank import decode_rank
 from sfa_rd2h.runtime.tools.demo.prefill_rank import prefill_rank
 from sfa_rd2h.runtime.tools.demo.process import Plan, run_child
+from sfa_rd2h.runtime.tools.demo.relay import FlakyRelay
 from sfa_rd2h.runtime.tools.demo.workload import (
+    METASERVER_CUTS,
     DemoConfig,
     DemoConfigError,
     Workload,
@@ -73,6 +75,12 @@ class DemoResult:
     pids: dict[str, int] = field(default_factory=dict)  # parent and every rank: their shm names
     interrupted: bool = False  # stopped by Ctrl-C (SIGINT); everything was still cleaned up
     swept: list[str] = field(default_factory=list)  # dead runs' /dev/shm files removed at start
+    # request -> rank -> "ok" or "failed: why" (Decode: its decision; Prefill: its gates, S4;
+    # a crashed rank: "lost")
+    outcomes: dict[str, dict[str, str]] = field(default_factory=dict)
+    # what the parent itself saw of an injected fault (metaserver-down: connections cut and
+    # forwarded; crash injections: the requests lost with the crashed rank)
+    observed: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         topo = self.topology
@@ -91,6 +99,9 @@ class DemoResult:
         ]
         if self.prefill_gate_errors:
             lines.append(f"  prefill gate errors: {self.prefill_gate_errors} (S4)")
+        if self.inject != "none":
+            lines += [f"  request {ext:<10}: {_outcome_line(ranks)}"
+                      for ext, ranks in self.outcomes.items()]
         lines += [f"  problem: {p}" for p in self.problems]
         lines.append("OK" if self.ok else "FAILED")
         return "\n".join(lines)
@@ -106,6 +117,13 @@ class DemoResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _outcome_line(ranks: dict[str, str], width: int = 70) -> str:
+    """One request's outcome on every rank, each reason cut to ``width`` characters."""
+    def short(text: str) -> str:
+        return text if len(text) <= width else text[:width - 3] + "..."
+    return "; ".join(f"{rank} {short(v)}" for rank, v in sorted(ranks.items()))
 
 
 def _ms(v: float | None) -> str:
@@ -161,6 +179,8 @@ class _Proc:
     report: dict[str, Any] | None = None
     eof: bool = False
     exited: bool = False
+    doomed: bool = False  # a crash injection SIGKILLs it: its death is predicted, not fatal
+    threads_left: list[str] | None = None  # Python threads alive after its cleanup
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -169,6 +189,23 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 
 class _Abort(Exception):
     pass
+
+
+#: Shutdown, after the work or after ``--timeout``: one deadline for every step of it
+#: (Decode ranks' exit, SIGTERM then SIGKILL of what is left, the relay, the proxy), so a
+#: run ends within ``--timeout`` plus this.
+SHUTDOWN_S = 15.0
+#: Of that, how long a SIGTERMed rank gets to close its engine and trace before SIGKILL.
+TERM_GRACE_S = 3.0
+#: A rank whose process ended: how long to reap it before judging its exit code.
+SENTINEL_JOIN_S = 1.0
+
+
+def _doomed_rank(cfg: DemoConfig) -> str | None:
+    """The rank a crash injection SIGKILLs: never rank 0 of a role that schedules, except
+    Decode rank 0 under restart-decode, which is restarted in place."""
+    return {"kill-prefill": f"prefill{cfg.p_tp - 1}", "kill-decode": f"decode{cfg.d_tp - 1}",
+            "restart-decode": "decode0"}.get(cfg.inject)
 
 
 # Imported once by the fork server; every rank process forks from it, so the ranks do not
@@ -262,8 +299,13 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     procs: list[_Proc] = []
     problems: list[str] = []
     finished: dict[str, bool] = {}
+    lost: dict[str, str] = {}  # requests lost with a crashed Decode rank -> why
+    computed: set[str] = set()  # requests whose last chunk Prefill rank 0 computed
+    doomed = _doomed_rank(cfg)
+    relay: FlakyRelay | None = None
     t_start = t_ready = t_submit = t_last = time.monotonic()
     deadline = t_start + cfg.timeout
+    stop_by = deadline + SHUTDOWN_S  # every shutdown step shares this one deadline
     bar = None
     proxy: Any = None
     plan: Plan | None = None
@@ -287,27 +329,36 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 f.truncate(cfg.layers * d_blocks * (tb[0] + tb[1]))
             proxy = ProxyServer(cfg.host)
             proxy_url = proxy.start()
+            if cfg.inject == "metaserver-down":
+                relay = FlakyRelay(cfg.host, proxy.metaserver_url, METASERVER_CUTS)
             plan = Plan(cfg, work.index, work.tokens, work.victim, total_blocks + 1, d_blocks,
                         proxy_url, base_port, _free_port(cfg.host), pool_path, trace_dir,
-                        log_dir)
+                        log_dir, metaserver_url=relay.url if relay is not None else None)
             ctx = _mp_context(cfg)
+
+            def spawn(name: str, fn: Any, rank: int, *args: Any) -> None:
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=run_child, name=name, daemon=True,
+                                   args=(fn, name, plan, rank, theirs, *args))
+                proc.start()
+                theirs.close()
+                procs.append(_Proc(name, proc, mine, doomed=name == doomed))
+
             d_links = [ctx.Pipe(duplex=False) for _ in range(cfg.d_tp - 1)]  # (recv, send)
             p_links = [ctx.Pipe(duplex=False) for _ in range(cfg.p_tp - 1)]
             for role, tp, links, fn in (("decode", cfg.d_tp, d_links, decode_rank),
                                         ("prefill", cfg.p_tp, p_links, prefill_rank)):
                 for r in range(tp):
-                    mine, theirs = ctx.Pipe()
                     peers = [s for _, s in links] if r == 0 else []
                     inbox = links[r - 1][0] if r > 0 else None
-                    name = f"{role}{r}"
-                    proc = ctx.Process(target=run_child, name=name, daemon=True,
-                                       args=(fn, name, plan, r, theirs, peers, inbox))
-                    proc.start()
-                    theirs.close()
-                    procs.append(_Proc(name, proc, mine))
+                    spawn(f"{role}{r}", fn, r, peers, inbox)
             for link in (*d_links, *p_links):
                 link[0].close()
                 link[1].close()
+            # restart-decode: the prompt list is in flight when Decode rank 0 crashes; the
+            # single prompts go to the restarted rank (same port) once it is up.
+            batch_b = [ext for job_id, prompts in work.jobs if len(prompts) == 1
+                       for ext in (f"{job_id}-0",)] if cfg.inject == "restart-decode" else []
 
             def drain(p: _Proc) -> None:
                 while not p.eof and p.conn.poll():
@@ -331,11 +382,25 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                             continue
                         p = sentinels[obj]
                         drain(p)  # a report sent just before exiting is still in the pipe
-                        p.proc.join(1.0)
+                        p.proc.join(SENTINEL_JOIN_S)
                         p.exited = True
-                        if p.report is None or p.proc.exitcode != 0:
+                        if p.doomed and p.report is None:
+                            died(p)
+                        elif p.report is None or p.proc.exitcode != 0:
                             raise _Abort(f"{p.name} exited with code {p.proc.exitcode} "
                                          f"while {stage}")
+
+            def died(p: _Proc) -> None:
+                """A crash injection's rank is gone: what it held is lost, and
+                restart-decode starts a new process in its place, on the same port."""
+                if p.proc.exitcode != -signal.SIGKILL:
+                    problems.append(f"{p.name} was to be SIGKILLed, exited with code "
+                                    f"{p.proc.exitcode}")
+                if cfg.inject == "restart-decode":
+                    for ext in plan.index:
+                        if ext not in finished and ext not in batch_b:
+                            lost[ext] = f"lost: {p.name} crashed (SIGKILL) holding it"
+                    spawn(f"{p.name}.1", decode_rank, 0, [], None, 1, batch_b)
 
             def handle(p: _Proc, msg: tuple) -> None:
                 nonlocal t_last
@@ -349,6 +414,12 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                         bar.update(1)
                 elif kind == "report":
                     p.report = msg[1]
+                    if "threads_left" in msg[1]:  # Prefill reports after its cleanup
+                        p.threads_left = msg[1]["threads_left"]
+                elif kind == "step":
+                    computed.update(msg[1])
+                elif kind == "closed":
+                    p.threads_left = msg[1]
                 elif kind == "error":
                     raise _Abort(f"{p.name} failed:\n{msg[1]}")
 
@@ -363,23 +434,39 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             # the failure visibly hits its prefill step only (see the module docstring).
             late = [j for j in work.jobs
                     if work.victim in {f"{j[0]}-{k}" for k in range(len(j[1]))}]
+            if batch_b:
+                late = [j for j in work.jobs if len(j[1]) == 1]
             for job_id, prompts in work.jobs:
                 if (job_id, prompts) not in late:
                     proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
+            if batch_b:
+                restarted = f"{doomed}.1"
+                pump(lambda: any(p.name == restarted and p.ready for p in procs),
+                     f"restarting {doomed}")
+                # Prefill computed the prompt list to its end, so no READY mixes the lost
+                # requests with the new ones (a failed READY fails all it carries, R5).
+                pump(lambda: set(plan.index) - set(batch_b) <= computed,
+                     "computing the requests lost in the crash")
+            n_late = sum(len(j[1]) for j in late)
             if late:
-                n_late = len(late[0][1])
-                pump(lambda: len(finished) >= plan.n - n_late, "moving KV")
-                proxy.submit(late[0][1], "decode-0", "prefill-0", job_id=late[0][0])
-            pump(lambda: len(finished) >= plan.n, "moving KV")
-            pump(lambda: all(p.report is not None for p in procs), "collecting reports")
+                pump(lambda: len(finished) + len(lost) >= plan.n - n_late, "moving KV")
+                for job_id, prompts in late:
+                    proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
+            pump(lambda: len(finished) + len(lost) >= plan.n, "moving KV")
+            pump(lambda: all(p.report is not None for p in procs if not p.doomed),
+                 "collecting reports")
             for p in procs:
-                if p.name.startswith("decode"):
+                if p.name.startswith("decode") and not p.exited:
                     p.conn.send(("stop",))
-            join_deadline = time.monotonic() + 10.0
+            stop_by = time.monotonic() + SHUTDOWN_S
             for p in procs:
-                p.proc.join(max(0.0, join_deadline - time.monotonic()))
-                if p.proc.exitcode != 0:
+                p.proc.join(max(0.0, stop_by - time.monotonic()))
+                if p.proc.exitcode != 0 and not p.doomed:
                     problems.append(f"{p.name} exited with code {p.proc.exitcode}")
+                drain(p)  # its last word: the threads left after its cleanup
+                if p.threads_left:
+                    problems.append(f"{p.name}: threads still running after its cleanup: "
+                                    f"{p.threads_left}")
         except _Abort as exc:
             problems.append(str(exc))
             if plan is not None and proxy is not None:
@@ -388,18 +475,26 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             problems.append("interrupted (Ctrl-C)")
         finally:
             ctrl_c.armed = False  # from here on a Ctrl-C cannot cut the cleanup short
+            stop_by = min(stop_by, time.monotonic() + SHUTDOWN_S)
             if bar is not None:
                 bar.close()
-            _stop_children(procs)
+            _stop_children(procs, stop_by)
+            if relay is not None and not relay.close(_left(stop_by)):
+                problems.append("metaserver relay: a thread did not stop")
             if proxy is not None:
-                proxy.close()
+                proxy.close(_left(stop_by))
             if pool_path:
                 Path(pool_path).unlink(missing_ok=True)
         interrupted = ctrl_c.presses > 0
         pids = {"parent": os.getpid(),
                 **{p.name: p.proc.pid for p in procs if p.proc.pid is not None}}
-        result = _judge(cfg, work, plan, procs, finished, problems, trace_dir, validate,
+        seen = _Observed(finished, lost)
+        if relay is not None:
+            seen.relay_cut, seen.relay_forwarded = relay.cut, relay.forwarded
+        result = _judge(cfg, work, plan, procs, seen, problems, trace_dir, validate,
                         t_last - t_submit, topology, interrupted)
+        result.observed = {"lost": dict(lost), "metaserver_cuts": seen.relay_cut,
+                           "metaserver_forwarded": seen.relay_forwarded}
         result.trace_dir = cfg.trace_dir
         result.exit_codes = {p.name: p.proc.exitcode for p in procs}
         result.ports = ports
@@ -417,23 +512,37 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         return result
 
 
+@dataclass
+class _Observed:
+    """What the parent itself saw during the run, for the judge."""
+
+    finished: dict[str, bool]  # request -> ok, as Decode rank 0 reported it
+    lost: dict[str, str]  # requests lost with a crashed Decode rank -> why
+    relay_cut: int = 0  # metaserver-down: connections reset while the metaserver was down
+    relay_forwarded: int = 0
+
+
 def _judge(cfg: DemoConfig, work: Workload, plan: Plan | None, procs: list[_Proc],
-           finished: dict[str, bool], problems: list[str], trace_dir: str, validate: Any,
+           seen: _Observed, problems: list[str], trace_dir: str, validate: Any,
            seconds: float, topology: dict[str, Any], interrupted: bool) -> DemoResult:
-    """Validate every process's trace and assess the outcome against the prediction."""
+    """Validate every process's trace and assess the outcome against the prediction. A
+    rank a crash injection killed leaves its trace unclosed, as a crash does; that one
+    unclosed trace is predicted, any other is a problem."""
     traces = sorted(str(p) for p in Path(trace_dir).glob("*.jsonl"))
     report = validate(traces)
+    crashed = {str(Path(trace_dir) / f"{p.name}.jsonl") for p in procs if p.doomed}
+    unclosed = [t for t in report.unclosed if t not in crashed]
     if len(traces) != len(procs) and not interrupted:
         problems.append(f"{len(traces)} trace file(s) for {len(procs)} processes")
-    if report.unclosed and not interrupted:
-        problems.append(f"traces not closed cleanly: {report.unclosed}")
-    trace_valid = report.ok and not report.unclosed and len(traces) == len(procs)
+    if unclosed and not interrupted:
+        problems.append(f"traces not closed cleanly: {unclosed}")
+    trace_valid = report.ok and not unclosed and len(traces) == len(procs)
     if plan is None:  # stopped before anything started
         return DemoResult(ok=False, requests_ok=0, requests_failed=0, bytes=0, seconds=0.0,
                           gbps=0.0, rtt_p50_ms=None, rtt_p99_ms=None, verified=False,
                           trace_valid=False, topology=topology, inject=cfg.inject,
                           trace_report="not run", problems=problems)
-    return _assess(cfg, work, plan, procs, finished, trace_valid, report.summary(), problems,
+    return _assess(cfg, work, plan, procs, seen, trace_valid, report.summary(), problems,
                    seconds, topology)
 
 
@@ -452,19 +561,25 @@ def _log_tails(log_dir: str, procs: list[_Proc], lines: int = 5) -> list[str]:
     return out
 
 
-def _stop_children(procs: list[_Proc], grace: float = 3.0) -> None:
+def _left(deadline: float, floor: float = 0.1) -> float:
+    """Seconds until ``deadline``; at least ``floor``, so a late step still gets one try."""
+    return max(floor, deadline - time.monotonic())
+
+
+def _stop_children(procs: list[_Proc], stop_by: float) -> None:
     """Every child ends here: SIGTERM lets a rank close its engine and trace; SIGKILL after
-    ``grace``; then the shared-memory files of a killed rank (named by its pid) go too."""
+    ``TERM_GRACE_S`` (or sooner, at ``stop_by``); then the shared-memory files of a killed
+    rank (named by its pid) go too."""
     alive = [p for p in procs if p.proc.is_alive()]
     for p in alive:
         p.proc.terminate()
-    end = time.monotonic() + grace
+    end = min(stop_by, time.monotonic() + TERM_GRACE_S)
     for p in alive:
         p.proc.join(max(0.0, end - time.monotonic()))
     for p in procs:
         if p.proc.is_alive():
             p.proc.kill()
-        p.proc.join(5.0)
+        p.proc.join(_left(stop_by, SENTINEL_JOIN_S))  # SIGKILL cannot be refused
         p.conn.close()
         if p.proc.exitcode != 0 and p.proc.pid is not None:
             # A rank that did not finish cleanly may not have closed its engine.
@@ -492,59 +607,168 @@ def _stuck(procs: list[_Proc], finished: dict[str, bool], plan: Plan,
     return out
 
 
-_BULKY = ("rtts", "steps", "outcomes", "errors", "mismatches", "mismatch_at")
+def _request_outcomes(plan: Plan, procs: list[_Proc],
+                      seen: _Observed) -> dict[str, dict[str, str]]:
+    """Per request, per rank: ``ok`` or ``failed: why``. Decode ranks say what they decided
+    (R1, R2); Prefill ranks whether a gate of a publication carrying the request failed
+    (S4); a crashed rank's requests are ``lost``."""
+    out: dict[str, dict[str, str]] = {ext: {} for ext in plan.index}
+    for p in procs:
+        r = p.report
+        if r is None:
+            if p.doomed:  # restart-decode: only what it held; otherwise everything
+                for ext in seen.lost or out:
+                    out[ext][p.name] = seen.lost.get(ext, f"lost: {p.name} crashed (SIGKILL)")
+            continue
+        if r["role"] == "decode":
+            for ext, ok in r["outcomes"].items():
+                out[ext][p.name] = "ok" if ok else f"failed: {r['errors'].get(ext)}"
+        else:
+            for ext in r["requests"]:
+                err = r["request_errors"].get(ext)
+                out[ext][p.name] = "ok" if err is None else f"failed: {err}"
+    return out
+
+
+def _load_error_problems(decode: list[dict[str, Any]]) -> list[str]:
+    """R5: every failed request's destination blocks reported as load errors exactly once,
+    and no successful request's."""
+    out = []
+    for r in decode:
+        failed = {ext for ext, ok in r["outcomes"].items() if not ok}
+        want = {ext: r["allocated"][ext] for ext in failed if ext in r["allocated"]}
+        if r["load_errors"] != want:
+            out.append(f"decode{r['rank']}: load errors {r['load_errors']} != the failed "
+                       f"requests' blocks {want} (R5)")
+        if r["reported_twice"]:
+            out.append(f"decode{r['rank']}: terminal state reported twice for "
+                       f"{r['reported_twice']} (R5)")
+    return out
+
+
+def _predict(cfg: DemoConfig, work: Workload, plan: Plan, final: dict[str, bool],
+             prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
+             seen: _Observed) -> tuple[str, bool]:
+    """What the injection predicts, and whether the run's observations match it."""
+    failed = sorted(ext for ext, ok in final.items() if not ok)
+    n_ok = len(final) - len(failed)
+    gate_errors = sum(len(r["errors"]) for r in prefill)
+    everything_ok = n_ok == plan.n and len(final) == plan.n
+    everything_failed = not n_ok and len(failed) == plan.n
+    if cfg.inject == "none":
+        return ("every request succeeds, no Prefill gate error",
+                everything_ok and gate_errors == 0)
+    if cfg.inject in ("read-failure", "engine-failure"):
+        steps = next((r["steps"] for r in prefill if r["rank"] == 0), [])
+        predicted = sorted({e for s in steps if work.victim in s for e in s})
+        fired = sum(r["injected"] for r in decode)
+        how = "the injected read failure" if cfg.inject == "read-failure" else \
+            "the transfer engine's exception (it keeps raising from then on)"
+        return (f"exactly the requests of {work.victim}'s prefill step fail "
+                f"({len(predicted)}: {predicted}), the others succeed; {how} fired (F2) and "
+                f"Prefill observed a gate error (S4)",
+                bool(predicted) and failed == predicted and fired > 0 and gate_errors > 0)
+    if cfg.inject == "layout-mismatch":
+        return (f"every request fails (layer {cfg.inject_layer} mismatches on decode"
+                f"{cfg.d_tp - 1}, L1); Prefill observed gate errors (S4)",
+                everything_failed and gate_errors > 0)
+    if cfg.inject == "stale-kv":
+        want = [[work.victim, cfg.inject_layer]]
+        seen_at = [[list(x) for x in r["mismatch_at"]] for r in decode]
+        return (f"every request completes; every Decode rank finds the bytes of "
+                f"{work.victim} layer {cfg.inject_layer}, and only those, stale",
+                n_ok == plan.n and bool(seen_at) and all(x == want for x in seen_at))
+    if cfg.inject == "kill-prefill":
+        return (f"prefill{cfg.p_tp - 1} is SIGKILLed mid-layer {cfg.inject_layer} of its "
+                f"first step; every request needs its READYs, so every request fails on "
+                f"every Decode rank at its deadline (R1), none waits longer",
+                everything_failed)
+    if cfg.inject == "kill-decode":
+        dead = cfg.d_tp - 1
+        readers = [r for r in prefill
+                   if tp_mapping(cfg.p_tp, cfg.d_tp).d_rank(r["rank"]) == dead]
+        return (f"decode{dead} is SIGKILLed mid-read of layer {cfg.inject_layer}; no request "
+                f"was complete, so every request fails on every surviving Decode rank once "
+                f"the TP group times out (R2), and the Prefill ranks it read from observed "
+                f"gate errors (S5, S4)",
+                everything_failed and bool(readers)
+                and all(r["errors"] and r["peers_lost"] for r in readers))
+    if cfg.inject == "restart-decode":
+        after = sorted(ext for ext in plan.index if ext not in seen.lost)
+        return (f"decode0 is SIGKILLed mid-read of layer {cfg.inject_layer} and restarted "
+                f"on its port: the {len(seen.lost)} request(s) in flight are lost and their "
+                f"READYs fail on Prefill (S5, S4); every Prefill rank re-handshakes (W1) and "
+                f"the {len(after)} submitted after the restart succeed",
+                bool(seen.lost) and bool(after) and failed == sorted(seen.lost)
+                and all(final.get(ext) for ext in after)
+                and all(r["peers_lost"] and r["errors"] for r in prefill))
+    if cfg.inject == "metaserver-down":
+        return (f"the metaserver is unreachable for the first {METASERVER_CUTS} "
+                f"connection(s), then back: the rendezvous POSTs are retried (F1) and every "
+                f"request succeeds",
+                everything_ok and seen.relay_cut == METASERVER_CUTS
+                and seen.relay_forwarded >= plan.n)
+    if cfg.inject == "slow-reader":
+        steps = next((r["steps"] for r in prefill if r["rank"] == 0), [])
+        predicted = sorted({e for s in steps if work.victim in s for e in s})
+        at_deadline = all(str(r["errors"].get(ext, "")).startswith("R1")
+                          for r in decode for ext in predicted)
+        return (f"decode0 reads layer {cfg.inject_layer} of {work.victim}'s step only after "
+                f"Prefill's reply timeout and the request deadline passed: Prefill declares "
+                f"the reader lost (S5) and its compute path raises (S4); Decode fails exactly "
+                f"that step's requests ({predicted}) at their deadline (R1), once the read "
+                f"in flight ended (R5); the others succeed byte-exact",
+                bool(predicted) and failed == predicted and at_deadline and gate_errors > 0)
+    if cfg.inject == "late-destinations":
+        waited = sum(r["late_waited"] for r in decode)
+        return (f"{work.victim}'s rendezvous goes out before its destinations are "
+                f"registered; its READYs wait for them (C1) and every request succeeds",
+                everything_ok and waited > 0)
+    raise DemoConfigError(f"no prediction for injection {cfg.inject!r}")
+
+
+_BULKY = ("rtts", "steps", "outcomes", "errors", "mismatches", "mismatch_at", "load_errors",
+          "allocated", "request_errors", "requests")
 
 
 def _assess(cfg: DemoConfig, work: Workload, plan: Plan, procs: list[_Proc],
-            finished: dict[str, bool], trace_valid: bool, trace_summary: str,
+            seen: _Observed, trace_valid: bool, trace_summary: str,
             problems: list[str], seconds: float, topology: dict[str, Any]) -> DemoResult:
     reports = {p.name: p.report for p in procs if p.report is not None}
-    decode = [reports.get(f"decode{d}") for d in range(cfg.d_tp)]
-    prefill = [reports.get(f"prefill{p}") for p in range(cfg.p_tp)]
-    complete = all(r is not None for r in decode + prefill)
+    decode = [r for r in reports.values() if r["role"] == "decode"]
+    prefill = [r for r in reports.values() if r["role"] == "prefill"]
+    complete = all(p.report is not None for p in procs if not p.doomed)
     if not complete:
         # Traces of a run that stopped early can be consistent as far as they go, but they
         # do not show a valid run: never report them as valid.
         trace_valid = False
         trace_summary = f"incomplete (the run did not finish): {trace_summary}"
-    outcomes = [r["outcomes"] for r in decode if r is not None]
-    agree = bool(outcomes) and all(o == outcomes[0] for o in outcomes) and \
-        set(outcomes[0]) == set(plan.index)
+    # R2: every surviving Decode rank decided every request it was given, and they agree;
+    # a request lost with a crashed rank is failed.
+    final: dict[str, bool] = {ext: False for ext in seen.lost}
+    agree = bool(decode)
+    for r in decode:
+        for ext, ok in r["outcomes"].items():
+            agree = agree and final.setdefault(ext, ok) == ok
+    agree = agree and set(final) == set(plan.index)
     if complete and not agree:
-        problems.append(f"R2: Decode ranks disagree on outcomes: {outcomes}")
-    final = outcomes[0] if outcomes else finished
+        problems.append(f"R2: Decode ranks disagree on outcomes or miss requests: "
+                        f"{[r['outcomes'] for r in decode]}")
+    if not decode:
+        final = dict(seen.finished)
     failed = sorted(ext for ext, ok in final.items() if not ok)
     n_ok = sum(1 for ok in final.values() if ok)
-    gate_errors = sum(len(r["errors"]) for r in prefill if r is not None)
-    verified = complete and all(r["n_mismatches"] == 0 for r in decode if r is not None)
+    gate_errors = sum(len(r["errors"]) for r in prefill)
+    verified = complete and all(r["n_mismatches"] == 0 for r in decode)
     if cfg.inject != "stale-kv":
         for r in decode:
-            if r is not None and r["mismatches"]:
+            if r["mismatches"]:
                 problems.append(f"decode{r['rank']} byte mismatches: {r['mismatches'][:3]}")
-    nbytes = sum(r["bytes"] for r in decode if r is not None)
-    rtts = [x for r in prefill if r is not None for x in r["rtts"]]
-
-    if cfg.inject == "none":
-        expectation = "every request succeeds, no Prefill gate error"
-        met = n_ok == plan.n and gate_errors == 0
-    elif cfg.inject == "read-failure":
-        steps = prefill[0]["steps"] if prefill[0] is not None else []
-        predicted = sorted({e for s in steps if work.victim in s for e in s})
-        fired = decode[0]["injected"] if decode[0] is not None else 0
-        expectation = (f"exactly the requests of {work.victim}'s prefill step fail "
-                       f"({len(predicted)}: {predicted}), the others succeed; the injected "
-                       f"read failure fired and Prefill observed a gate error")
-        met = bool(predicted) and failed == predicted and fired > 0 and gate_errors > 0
-    elif cfg.inject == "layout-mismatch":
-        expectation = (f"every request fails (layer {cfg.inject_layer} mismatches on decode"
-                       f"{cfg.d_tp - 1}); Prefill observed gate errors")
-        met = n_ok == 0 and len(failed) == plan.n and gate_errors > 0
-    else:
-        want = [[work.victim, cfg.inject_layer]]
-        seen = [[list(x) for x in r["mismatch_at"]] for r in decode if r is not None]
-        expectation = (f"every request completes; every Decode rank finds the bytes of "
-                       f"{work.victim} layer {cfg.inject_layer}, and only those, stale")
-        met = n_ok == plan.n and bool(seen) and all(s == want for s in seen)
+    if complete:
+        problems += _load_error_problems(decode)
+    nbytes = sum(r["bytes"] for r in decode)
+    rtts = [x for r in prefill for x in r["rtts"]]
+    expectation, met = _predict(cfg, work, plan, final, prefill, decode, seen)
     if complete and not met:
         problems.append(f"outcome does not match the expectation: {len(failed)} failed "
                         f"{failed}, {gate_errors} gate error(s)")
@@ -562,7 +786,7 @@ def _assess(cfg: DemoConfig, work: Workload, plan: Plan, procs: list[_Proc],
         verified=verified, trace_valid=trace_valid, topology=topology, inject=cfg.inject,
         expectation=expectation, expectation_met=met, prefill_gate_errors=gate_errors,
         failed_requests=failed, outcomes_agree=agree, trace_report=trace_summary,
-        problems=problems,
+        problems=problems, outcomes=_request_outcomes(plan, procs, seen),
         processes={name: {k: v for k, v in r.items() if k not in _BULKY}
                    for name, r in reports.items()})
 

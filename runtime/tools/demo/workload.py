@@ -15,7 +15,27 @@ from sfa_rd2h.runtime.engines import (
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.topology import decode_base_port, tp_mapping
 
-INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv")
+INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv", "engine-failure",
+              "kill-prefill", "kill-decode", "restart-decode", "metaserver-down",
+              "slow-reader", "late-destinations")
+#: The injections that SIGKILL a rank (the parent expects that rank to die, not to report).
+CRASHES = ("kill-prefill", "kill-decode", "restart-decode")
+#: The protocol timeouts a demo run uses, in seconds, when not given (None): where a fault's
+#: prediction waits for one of them, the run must end in seconds, not at ``--timeout``.
+#: ``reply_timeout`` (Prefill, S5), ``destination_wait`` (Decode, C1), ``request_deadline``
+#: (Decode, R1) and ``tp_timeout`` (one TP-group collective, R2).
+FAULT_TIMEOUTS = {"reply_timeout": 2.0, "destination_wait": 1.0, "request_deadline": 4.0,
+                  "tp_timeout": 2.0}
+#: Without a fault: the overall ``--timeout`` bounds them, and none exceeds this cap.
+TIMEOUT_CAP_S = 30.0
+#: The demo's long polls of the proxy's work queues (one HTTP request each).
+WORK_POLL_S = 2.0
+#: ``metaserver-down``: connections to the metaserver cut before it is reachable again; fewer
+#: than the rendezvous POST's retries (F1), so every rendezvous still arrives.
+METASERVER_CUTS = 3
+#: The injections aimed at one request (the victim).
+VICTIM_INJECTIONS = ("read-failure", "engine-failure", "stale-kv", "slow-reader",
+                     "late-destinations")
 #: How the Decode ranks agree on terminal status (R1, R2): over ZMQ (no torch needed), or
 #: over a torch.distributed gloo group (needs torch; what runs inside vLLM).
 TP_GROUPS = ("zmq", "gloo")
@@ -87,6 +107,22 @@ class DemoConfig:
     progress: bool = True
     tp_group: str = "zmq"
     verbose: bool = False  # children's stderr (third-party library logs) to ours, not a file
+    # Protocol timeouts (seconds); None: see ``timeouts()``.
+    reply_timeout: float | None = None
+    destination_wait: float | None = None
+    request_deadline: float | None = None
+    tp_timeout: float | None = None
+
+    def timeouts(self) -> dict[str, float]:
+        """The protocol timeouts of this run: a value given wins; otherwise a fault
+        injection gets ``FAULT_TIMEOUTS``, and a run without one the overall timeout, capped
+        at ``TIMEOUT_CAP_S`` for the waits that only detect a lost peer."""
+        fault = self.inject not in ("none", "stale-kv")
+        base = dict(FAULT_TIMEOUTS) if fault else {
+            "reply_timeout": min(TIMEOUT_CAP_S, self.timeout),
+            "destination_wait": min(TIMEOUT_CAP_S, self.timeout) / 2,  # < reply_timeout
+            "request_deadline": self.timeout, "tp_timeout": self.timeout}
+        return {k: v if (v := getattr(self, k)) is not None else base[k] for k in base}
 
     @property
     def inject_layer(self) -> int:
@@ -121,7 +157,26 @@ class DemoConfig:
             raise DemoConfigError("--timeout must be > 0")
         if self.inject != "none" and self.layers < 2:
             raise DemoConfigError("an injection needs at least 2 layers")
-        if self.inject == "read-failure":
+        for name, value in self.timeouts().items():
+            if not value > 0:
+                raise DemoConfigError(f"--{name.replace('_', '-')} must be > 0")
+        times = self.timeouts()
+        if times["reply_timeout"] <= times["destination_wait"]:
+            raise DemoConfigError(
+                f"--reply-timeout {times['reply_timeout']:g} must exceed --destination-wait "
+                f"{times['destination_wait']:g}: Decode answers a READY waiting for its "
+                f"destinations (C1) before Prefill gives up on the reader (S5, S3)")
+        if self.inject == "kill-prefill" and self.p_tp < 2:
+            raise DemoConfigError("kill-prefill needs --p-tp >= 2: Prefill rank 0 schedules "
+                                  "and must survive")
+        if self.inject == "kill-decode" and self.d_tp < 2:
+            raise DemoConfigError("kill-decode needs --d-tp >= 2: Decode rank 0 schedules "
+                                  "and must survive")
+        if self.inject == "restart-decode" and (self.d_tp != 1 or self.requests < 4):
+            raise DemoConfigError("restart-decode needs --d-tp 1 (a restarted rank cannot "
+                                  "rejoin a TP group mid-run) and --requests >= 4 (a prompt "
+                                  "list in flight at the crash, single prompts after it)")
+        if self.inject in ("read-failure", "engine-failure"):
             victim_blocks = min(self.chunk_tokens, self.max_tokens) // self.block_tokens
             if not self.indexer and victim_blocks < self.d_tp:
                 raise DemoConfigError(
@@ -151,7 +206,7 @@ def make_workload(cfg: DemoConfig) -> Workload:
     # under way; otherwise the second request.
     singles = cfg.requests - n_list
     victim_i = singles if n_list else min(1, cfg.requests - 1)
-    if cfg.inject == "read-failure":
+    if cfg.inject in ("read-failure", "engine-failure"):
         lengths[victim_i] = min(cfg.chunk_tokens, cfg.max_tokens)  # exactly one step (C2)
     filler = "the quick brown fox jumps over the lazy dog; " * (cfg.max_tokens // 40 + 2)
     prompts = [(f"[{i}] " + filler)[:n] for i, n in enumerate(lengths)]
@@ -169,7 +224,7 @@ def make_workload(cfg: DemoConfig) -> Workload:
             index[ext] = i
             tokens[ext] = len(p.encode())  # the proxy's stand-in tokenizer
             i += 1
-    victim = list(index)[victim_i] if cfg.inject in ("read-failure", "stale-kv") else None
+    victim = list(index)[victim_i] if cfg.inject in VICTIM_INJECTIONS else None
     return Workload(jobs, index, tokens, victim)
 
 
