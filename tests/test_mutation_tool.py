@@ -93,6 +93,10 @@ def test_stage_lays_out_the_package_under_its_import_name(tmp_path: Path) -> Non
     config = (stage / "pyproject.toml").read_text()
     assert config.count("[tool.mutmut]") == 1 and "[tool.pytest.ini_options]" in config
     assert 'only_mutate = ["sfa_rd2h/runtime/tp_group.py"]' in config
+    for test in mutation.DESELECTED:  # slow tests kept out of the per-mutant selection
+        assert f'"--deselect", "{test}"' in config
+        file, _, name = test.partition("::")
+        assert f"def {name}(" in (REPO / file).read_text()
     assert 'process_isolation = "forkserver"' in config
     assert (stage / "hooks/sitecustomize.py").is_file()
     assert (stage / "hooks/sfa_rd2h_mutation_plugin.py").is_file()

@@ -313,3 +313,95 @@ def test_only_replies_decode_sends_are_matched_to_its_reads(tmp_path: Path) -> N
         _msg("send", "p", "read_done", 0),
     ])
     assert validate([odd]).ok
+
+
+def _tr(machine: str, key: str, ev: str, src: str, dst: str) -> dict:
+    return {"k": "tr", "t": 0.0, "m": machine, "key": key, "ev": ev, "src": src, "dst": dst}
+
+
+@pytest.mark.parametrize(("records", "expected"), [
+    ([_tr("nope", "k", "start", "", "x")], [(2, "unknown machine 'nope'")]),
+    ([_tr("decode_layer_read", "k", "accept", "received", "reading"),
+      _tr("decode_layer_read", "k", "read_completed", "reading", "done")],
+     [(2, "decode_layer_read[k]: 'accept' before its start record")]),
+    (_read("k") + [_tr("decode_layer_read", "k", "accept", "reading", "done")],
+     [(3, "decode_layer_read[k]: record says 'accept' from 'reading', replay is in "
+          "'received'")]),
+    (_read("k", "reject>failed") + [_tr("decode_layer_read", "k", "accept", "failed", "done")],
+     [(4, "decode_layer_read[k]: 'accept' leaves final state 'failed'")]),
+    (_read("k") + [_tr("decode_layer_read", "k", "read_completed", "received", "done")],
+     [(3, "decode_layer_read[k]: 'read_completed' is not declared from 'received'")]),
+    (_read("k") + [_tr("decode_layer_read", "k", "accept", "received", "failed")],
+     [(3, "decode_layer_read[k]: 'accept' from 'received' goes to ['awaiting_destinations', "
+          "'done', 'reading'], record says 'failed'")]),
+])
+def test_each_undeclared_transition_is_named_where_it_happens(
+        tmp_path: Path, records: list[dict], expected: list[tuple[int, str]]) -> None:
+    """The machines rule: a transition the tables do not declare is reported at its line,
+    and the replay goes on from the state the record claims."""
+    path = _trace(tmp_path / "d.jsonl", "decode", records)
+    assert _where(validate([path])) == [("d.jsonl", line, "machines", message)
+                                        for line, message in expected]
+
+
+def test_malformed_trace_lines_are_named_and_the_rest_is_still_read(tmp_path: Path) -> None:
+    """A bad line is one divergence at its line; blank lines are skipped; what is readable
+    is still counted and checked."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join([
+        b'{"k": "info"}',  # 1: not the header
+        b"",  # blank: skipped
+        b"   ",
+        b"[1]",  # 4
+        b"\xff\xfe",  # 5
+        b"{nope",  # 6
+        b'{"k": 5}',  # 7
+        b'{"k": "msg", "layer": "3"}',  # 8
+        b'{"k": "what"}',  # 9
+        b'{"k": "msg", "dir": "recv", "peer": "p", "kind": "mf_meta"}',  # 10
+        json.dumps(_tr("decode_layer_read", "k", "start", "", "received")).encode(),  # 11
+    ]) + b"\n")
+    report = validate([path])
+    assert _where(report) == [
+        ("bad.jsonl", 1, "trace", "first record is not a process header"),
+        ("bad.jsonl", 4, "trace", "record is not a JSON object"),
+        ("bad.jsonl", 5, "trace", "not a JSON record: not UTF-8 text"),
+        ("bad.jsonl", 6, "trace", "not a JSON record: Expecting property name enclosed in "
+                                  "double quotes: line 1 column 2 (char 1)"),
+        ("bad.jsonl", 7, "trace", "field 'k' must be a string, got int"),
+        ("bad.jsonl", 8, "trace", "field 'layer' must be an integer, got str"),
+        ("bad.jsonl", 9, "trace", "unknown record kind 'what'"),
+    ]
+    assert (report.files, report.records, report.transitions, report.messages) == (1, 6, 1, 1)
+    assert report.unclosed == [str(path)]
+
+
+def test_an_unreadable_or_empty_trace_is_a_divergence(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    report = validate([missing, empty])
+    assert _where(report) == [
+        ("missing.jsonl", 0, "trace",
+         f"cannot read: [Errno 2] No such file or directory: {str(missing)!r}"),
+        ("empty.jsonl", 0, "trace", "empty: the process never flushed its trace"),
+    ]
+    assert report.files == 2
+
+
+def test_the_decode_endpoint_may_come_in_the_header(tmp_path: Path) -> None:
+    """Pairing for the S3 cross-check finds a Decode by the endpoint of its header too
+    (an ``info`` record without one leaves it)."""
+    p = _trace(tmp_path / "p.jsonl", "prefill", [
+        {"k": "conn", "t": 0.0, "ev": "open", "peer": "d0:7000", "conn": "c1"},
+        _msg("send", "d0:7000", "mf_meta", conn="c1"),
+    ])
+    d = _trace(tmp_path / "d.jsonl", "decode", [
+        {"k": "info", "t": 0.0, "rank": 0},
+        _msg("recv", "c1", "mf_meta"),
+        _msg("recv", "c1", "read_ready_batch", 0),
+        _msg("send", "c1", "read_done", 0),
+    ], endpoint="d0:7000")
+    assert _where(validate([p, d])) == [
+        ("p.jsonl", 3, "S3", f"connection c1: Prefill sent READYs per layer {{}}, {d} "
+                             "received {0: 1}")]

@@ -72,6 +72,9 @@ _MAX_FRAME = 64 << 20
 _WIRE_VERSION = 1
 _MAX_LINGERING = 64  # answered registry connections kept open for their reader to verify
 _CAP_SYS_PTRACE = 19
+REGISTRY_TIMEOUT_S = 5.0  # a reader's whole registry round trip (connect, ask, answer)
+REGISTRY_IO_S = 2.0  # the registry server: one read or write of a client, and its linger
+_IDLE_SELECT_S = 3600.0  # nothing lingers: wait for a client or the wake-up (re-armed hourly)
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
@@ -377,7 +380,7 @@ class _RegistryServer:
                 now = time.monotonic()
                 for conn in [c for c, t in lingering.items() if t <= now]:
                     self._drop(conn, lingering)
-                timeout = min(lingering.values(), default=now + 3600.0) - now
+                timeout = min(lingering.values(), default=now + _IDLE_SELECT_S) - now
                 for key, _ in self._sel.select(max(timeout, 0.0)):
                     if key.data == "wake":
                         return
@@ -514,7 +517,7 @@ class HostEngine(TransferEngine):
 
     name = "host"
 
-    def __init__(self, mode: str = "auto", timeout: float = 5.0) -> None:
+    def __init__(self, mode: str = "auto", timeout: float = REGISTRY_TIMEOUT_S) -> None:
         super().__init__()
         if mode not in ("auto", "cma", "shm"):
             raise EngineConfigError(f"host engine mode must be auto, cma or shm, not {mode!r}")
@@ -584,7 +587,7 @@ class HostEngine(TransferEngine):
             _libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(ptracer_pid()), 0, 0, 0)
         try:
             self._server = _RegistryServer(
-                host, int(port), self._describe, io_timeout=min(self._timeout, 2.0)
+                host, int(port), self._describe, io_timeout=min(self._timeout, REGISTRY_IO_S)
             )
         except OSError as exc:
             raise EngineConfigError(f"host engine cannot listen on {host}:{port}: {exc}") from exc

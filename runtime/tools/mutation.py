@@ -78,6 +78,17 @@ TEST_FILES = (
     "tests/test_machines.py",
     "tests/test_topology.py",
 )
+# Left out of the selection although they reach mutated code: each costs seconds per mutant
+# that survives (every spec/wire.py and spec/layout.py mutant selected them; together they
+# were 18 of the 23 s a surviving layout mutant cost), and what they check is covered by
+# faster tests that run first.
+DESELECTED = {
+    "tests/test_cores.py::test_cost_per_event_does_not_grow_with_waiting_readys":
+        "a work bound: 20,000 READYs queued per run; decoding them is checked by "
+        "test_wire and test_cores' own cases",
+    "tests/test_control.py::test_a_slow_registry_stalls_only_its_own_peer":
+        "waits out a registry that never answers (lanes, not codec or layout logic)",
+}
 PER_TEST_TIMEOUT_S = 60  # pytest-timeout per test under a mutant (a mutant may hang a wait)
 EQUIVALENTS = Path("tests/data/equivalent_mutants.json")
 STAGE = Path("build/mutation")
@@ -204,7 +215,8 @@ def mutmut_config(files: Sequence[str], tests: Sequence[str]) -> str:
         "\n[tool.mutmut]\n"
         f'source_paths = ["{PACKAGE}"]\n'
         f"only_mutate = {_toml_list(f'{PACKAGE}/{f}' for f in files)}\n"
-        f"pytest_add_cli_args_test_selection = {_toml_list(tests)}\n"
+        "pytest_add_cli_args_test_selection = "
+        f"{_toml_list([*tests, *(a for n in DESELECTED for a in ('--deselect', n))])}\n"
         f'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "sfa_rd2h_mutation_plugin", '
         f'"--timeout={PER_TEST_TIMEOUT_S}"]\n'
         'process_isolation = "forkserver"\n'
