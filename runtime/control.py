@@ -64,6 +64,10 @@ RTT_SAMPLES = 65536  # round-trip samples a Prefill worker keeps (the latest)
 RTT_SAMPLES_PER_LAYER = 4096
 REPLY_MAX_BYTES = 1 << 20  # replies and acks are small; a bigger frame drops the connection
 _WARN_EVERY_S = 10.0  # one warning per kind per this many seconds, with the count suppressed
+CLOSE_TIMEOUT_S = 5.0  # close(): a worker's or agreement loop's thread is joined within this
+READ_LANE_IDLE_S = 30.0  # a Decode read lane with nothing to do for this long ends
+ROUTER_LINGER_MS = 1000  # Decode close: queued replies still go out for this long
+ROUND_WAIT_S = 0.02  # agreement: a rank joins the next TP round at most this long after the last
 
 
 class _Throttled:
@@ -248,7 +252,7 @@ class _Worker:
         if self._closing:
             raise ControlPlaneError(f"{self._what} is closed")
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the thread and close every socket; the thread is joined within ``timeout``."""
         with self._cond:
             self._closing = True
@@ -630,7 +634,7 @@ class _ReadLanes:
 
     def __init__(self, read: Callable[[IssueRead], int | BaseException],
                  done: Callable[[IssueRead, int | BaseException], None], name: str, *,
-                 max_lanes: int = 16, idle_s: float = 30.0) -> None:
+                 max_lanes: int = 16, idle_s: float = READ_LANE_IDLE_S) -> None:
         self._read, self._done, self._name = read, done, name
         self._max, self._idle = max_lanes, idle_s
         self._lock = threading.Lock()
@@ -715,7 +719,7 @@ class DecodeWorker(_Worker):
         on_finished: Callable[[RequestFinished], None] | None = None,
         context: zmq.Context | None = None,
         clock: Clock = time.monotonic,
-        linger_ms: int = 1000,
+        linger_ms: int = ROUTER_LINGER_MS,
         max_frame_bytes: int = 4 * wire.MAX_FRAME_BYTES,
         curve: CurveSecurity | None = None,
     ) -> None:
@@ -908,7 +912,7 @@ class DecodeWorker(_Worker):
             else:
                 self._callback(a)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the lanes (queued reads finish, bounded by ``timeout``), then the reader."""
         deadline = time.monotonic() + timeout
         lanes_done = self._lanes.close(timeout)
@@ -980,7 +984,7 @@ class AgreementLoop:
     group's timeout instead of hanging.
     """
 
-    def __init__(self, group: TpGroup, *, round_wait: float = 0.02,
+    def __init__(self, group: TpGroup, *, round_wait: float = ROUND_WAIT_S,
                  on_agreed: Callable[[str, bool], None] | None = None,
                  clock: Clock = time.monotonic) -> None:
         if not round_wait > 0:
@@ -1083,7 +1087,7 @@ class AgreementLoop:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         with self._cond:
             self._closing = True
             self._cond.notify_all()

@@ -60,6 +60,11 @@ MAX_POLL_S = 30.0  # a long poll never holds a handler thread longer than this
 MAX_HANDLERS = 64  # concurrent client connections; more are answered 503 at once
 IO_TIMEOUT_S = 5.0  # one socket read or write of a client
 REQUEST_DEADLINE_S = 10.0  # a whole request beyond its long poll, however slowly it dribbles
+RENDEZVOUS_TIMEOUT_S = 2.0  # client: one rendezvous POST attempt (F1 retries on top)
+WORK_POLL_S = 10.0  # client: how long one long poll of a work queue may wait
+RESPONSE_SLACK_S = 5.0  # client: beyond a long poll's wait, for the answer to arrive
+FINISHED_TIMEOUT_S = 5.0  # client: one /v1/finished report
+CLOSE_TIMEOUT_S = 10.0  # ProxyServer.close(): clients cut and the serving thread joined
 TOKEN_ENV = "SFA_RD2H_METASERVER_TOKEN"  # a shared bearer token, off unless set
 
 
@@ -242,7 +247,7 @@ def post_rendezvous(
     *,
     retries: int = 5,
     backoff: float = 0.05,
-    timeout: float = 2.0,
+    timeout: float = RENDEZVOUS_TIMEOUT_S,
     sleep: Callable[[float], None] = time.sleep,
     token: str | None = None,
 ) -> int:
@@ -307,7 +312,7 @@ def _call(url: str, body: Mapping[str, Any] | None, timeout: float,
 
 
 def fetch_work(
-    base_url: str, role: str, instance: str, *, timeout: float = 10.0
+    base_url: str, role: str, instance: str, *, timeout: float = WORK_POLL_S
 ) -> list[dict[str, Any]]:
     """Long-poll the proxy for work queued for ``instance`` (role ``decode``/``prefill``).
 
@@ -316,7 +321,7 @@ def fetch_work(
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     query = urllib.parse.urlencode({"instance": instance, "timeout": timeout})
     url = f"{base_url.rstrip('/')}/v1/{role}_work?{query}"
-    items = _call(url, None, timeout + 5.0)
+    items = _call(url, None, timeout + RESPONSE_SLACK_S)
     if not isinstance(items, list):
         raise ProxyRequestError(url, 200, f"expected a JSON list, got {type(items).__name__}")
     return items
@@ -329,7 +334,7 @@ def report_finished(
     ok: bool,
     role: str,
     error: str | None = None,
-    timeout: float = 5.0,
+    timeout: float = FINISHED_TIMEOUT_S,
 ) -> None:
     """Tell the proxy that ``role`` finished sub-request ``request_id``."""
     body: dict[str, Any] = {"request_id": request_id, "ok": ok, "role": role}
@@ -672,7 +677,7 @@ class ProxyServer:
         """Where Decode posts its rendezvous."""
         return f"{self.url}/v1/metaserver"
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         with self._cond:
             if self._closing:
                 return

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 DONE_MEMORY = 65536  # terminal ids remembered so that late duplicates are ignored
+COLLECTIVE_TIMEOUT_S = 60.0  # one collective; a missing or dead peer raises after it
 
 
 class TpGroupError(RuntimeError):
@@ -212,7 +213,7 @@ class GlooTpGroup(MultiRankGroup):
         world_size: int,
         init_method: str | None = None,
         *,
-        timeout: float = 60.0,
+        timeout: float = COLLECTIVE_TIMEOUT_S,
         group: Any = None,
         done_memory: int = DONE_MEMORY,
     ) -> None:

@@ -29,7 +29,12 @@ from typing import Any
 import msgpack
 import zmq
 
-from sfa_rd2h.runtime.tp_group import DONE_MEMORY, MultiRankGroup, TpGroupError
+from sfa_rd2h.runtime.tp_group import (
+    COLLECTIVE_TIMEOUT_S,
+    DONE_MEMORY,
+    MultiRankGroup,
+    TpGroupError,
+)
 
 _GATHER = b"g"  # rank > 0 -> rank 0: [b"g", seq, payload]
 _RESULT = b"r"  # rank 0 -> rank > 0: [b"r", seq, packed list of every rank's payload]
@@ -60,7 +65,7 @@ class ZmqTpGroup(MultiRankGroup):
         world_size: int,
         address: str,
         *,
-        timeout: float = 60.0,
+        timeout: float = COLLECTIVE_TIMEOUT_S,
         done_memory: int = DONE_MEMORY,
     ) -> None:
         super().__init__(rank, world_size, timeout, done_memory=done_memory)

@@ -62,6 +62,13 @@ from sfa_rd2h.runtime.metaserver import Rendezvous, RendezvousError
 
 log = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 30.0  # start(): uvicorn accepting requests
+CLOSE_TIMEOUT_S = 10.0  # close(): one deadline for in-flight completions, uvicorn and its thread
+CONNECT_TIMEOUT_S = 5.0  # one TCP connect to a Prefill or Decode engine
+MODELS_TIMEOUT_S = 10.0  # the /v1/models lookup forwarded to Decode
+GRACEFUL_SHUTDOWN_S = 5  # uvicorn's own graceful-shutdown bound (close() lowers it to fit)
+REAP_SLACK_S = 1.0  # a job nobody iterates is reaped this long after its deadline
+
 MAX_BODY_BYTES = 16 * 1024 * 1024  # token-id prompt lists are large; a request body is capped
 MAX_ERROR_BODY = 64 * 1024  # how much of a backend's error body is forwarded
 # vLLM 0.32 names the engine request of prompt i of a completion `cmpl-<X-Request-Id>-<i>`
@@ -250,11 +257,12 @@ class DisaggProxy:
 
     def _uvicorn(self) -> uvicorn.Server:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5, access_log=False)
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                access_log=False)
         self._server = uvicorn.Server(config)
         return self._server
 
-    def start(self, timeout: float = 30.0) -> str:
+    def start(self, timeout: float = START_TIMEOUT_S) -> str:
         """Serve on a background thread; return the base URL once it accepts requests."""
         if self._thread is not None:
             raise RuntimeError("DisaggProxy can be started once")
@@ -264,7 +272,7 @@ class DisaggProxy:
                                         name="sfa-proxy", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout):
-            self.close(5.0)
+            self.close()
             raise TimeoutError(f"proxy did not start within {timeout}s")
         return self.url
 
@@ -274,7 +282,7 @@ class DisaggProxy:
         log.warning("proxy serving on %s (metaserver %s)", self.url, self.metaserver_url)
         await self._uvicorn().serve(sockets=[sock])
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop serving within ``timeout`` seconds in all: in-flight completions get 503, the
         backend calls are cancelled (which aborts them on the servers), uvicorn stops."""
         deadline = time.monotonic() + timeout
@@ -319,7 +327,8 @@ class DisaggProxy:
             # trust_env=False: an http_proxy from the environment must not divert calls to
             # the cluster's own servers (same reason as runtime.metaserver's clients).
             self._client = httpx.AsyncClient(
-                trust_env=False, timeout=httpx.Timeout(self.request_timeout_s, connect=5.0),
+                trust_env=False,
+                timeout=httpx.Timeout(self.request_timeout_s, connect=CONNECT_TIMEOUT_S),
                 limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
             self._started.set()
             try:
@@ -351,7 +360,8 @@ class DisaggProxy:
         async def models() -> Response:
             assert self._client is not None
             try:
-                resp = await self._client.get(f"{self.decode[0]}/v1/models", timeout=10.0)
+                resp = await self._client.get(f"{self.decode[0]}/v1/models",
+                                               timeout=MODELS_TIMEOUT_S)
             except httpx.HTTPError as exc:
                 return _error(502, f"decode {self.decode[0]} unreachable: {exc}", "BadGateway")
             return Response(resp.content, status_code=resp.status_code,
@@ -414,7 +424,7 @@ class DisaggProxy:
         job.timer = loop.call_later(self.rendezvous_timeout_s, self._rendezvous_expired, job)
         # Backstop for a response that is never iterated (client gone before the body
         # started): nothing is registered past the deadline.
-        job.reaper = loop.call_at(job.deadline + 1.0, self._reap, job)
+        job.reaper = loop.call_at(job.deadline + REAP_SLACK_S, self._reap, job)
         return job
 
     def _reap(self, job: _Job) -> None:

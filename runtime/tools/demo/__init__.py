@@ -58,6 +58,23 @@ Injections and what they predict (the exit code is 0 only when the outcome match
   whatever the slot held before. The protocol cannot see this; the byte verification must.
   The run passes when every request completes and the mismatches are exactly the victim's
   blocks of that layer, reported by every Decode rank (``verified`` is then false).
+* ``engine-failure``: like ``read-failure``, but the engine raises, and keeps raising on every
+  later read (F2); the same requests fail.
+* ``kill-prefill`` / ``kill-decode``: the last Prefill rank is SIGKILLed mid-layer, or the
+  last Decode rank mid-read, in the first step. Every request fails on every surviving Decode
+  rank - at its deadline (R1), or once the broken TP group times out (R2) - and a Prefill
+  rank whose reader died sees gate errors (S5, S4). The parent expects that death.
+* ``restart-decode`` (``--d-tp 1``): Decode rank 0 is SIGKILLed mid-read of the prompt list
+  and restarted on its port; the list's requests are lost, Prefill re-handshakes (W1) and the
+  single prompts, submitted after the restart, succeed.
+* ``metaserver-down``: Decode posts its rendezvous through a relay that resets its first
+  connections, then forwards (``relay.py``); the POSTs are retried (F1), all succeed.
+* ``slow-reader``: Decode rank 0 reads the victim's layer only after Prefill's reply timeout
+  and the request deadline: both sides fail exactly the victim's step, nothing hangs.
+* ``late-destinations``: the victim's rendezvous goes out before its destinations are
+  registered; they are registered once a READY waits for them (C1); all succeed.
+
+Every run reports, per request, its outcome on every rank (``DemoResult.outcomes``).
 """
 
 from sfa_rd2h.runtime.tools.demo.cli import add_demo_parser, cmd_demo, config_from_args

@@ -32,7 +32,6 @@ from sfa_rd2h.spec.topology import decode_rank_port
 
 # ---------------------------------------------------------------------------- Decode
 
-AGREEMENT_ROUND_S = 0.02  # a rank joins the next TP round at most this long after the last
 AGREEMENT_CLOSE_S = 2.0  # shutdown: the agreement thread is joined within this
 SLOW_MARGIN_S = 0.5  # slow-reader: how far past the longer timeout the slow read ends
 LATE_POLL_S = 0.005  # late-destinations: between two looks at the READYs waiting (C1)
@@ -307,7 +306,7 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         finished: queue.Queue = queue.Queue()
         worker: Any = None
         fallback = _BrokenGroupFallback(None, None)
-        loop = AgreementLoop(group, round_wait=AGREEMENT_ROUND_S, on_agreed=fallback.on_agreed)
+        loop = AgreementLoop(group, on_agreed=fallback.on_agreed)  # control.ROUND_WAIT_S
         worker = DecodeWorker(core, engine, port, host=cfg.host, tracer=tracer,
                               on_ready=fallback.on_ready, on_finished=finished.put)
         fallback.worker, fallback.loop = worker, loop
