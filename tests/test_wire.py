@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import VersionMismatch, WireError
 from sfa_rd2h.spec.wire import (
     LAYOUT_VERSION,
@@ -397,6 +398,32 @@ def test_external_request_id() -> None:
     for bad in ("123456789", "", None):
         with pytest.raises(WireError):
             external_request_id(bad)  # type: ignore[arg-type]
+    # the longest external id the wire carries is accepted, one more is refused by name
+    assert external_request_id("a" * MAX_ID_LEN + "-0123abcd") == "a" * MAX_ID_LEN
+    with pytest.raises(WireError) as info:
+        external_request_id("a" * (MAX_ID_LEN + 1) + "-0123abcd")
+    assert str(info.value) == (f"vllm request id: external id of {MAX_ID_LEN + 1} characters "
+                               f"exceeds {MAX_ID_LEN}")
+    with pytest.raises(WireError) as info:
+        external_request_id("123456789")
+    assert str(info.value) == ("vllm request id '123456789': must be longer than its "
+                               "9-character engine suffix")
+    with pytest.raises(WireError) as info:
+        external_request_id(b"chatcmpl-abc-0123abcd")  # type: ignore[arg-type]
+    assert str(info.value).startswith("vllm request id: expected str, got bytes b'chatcmpl")
+
+
+def test_a_decoder_bug_in_layer_metadata_still_surfaces_as_wire_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """W5 backstop: whatever goes wrong inside the decoder reaches the caller as a
+    WireError that names it, never as another exception type."""
+    def broken(blob: bytes) -> None:
+        raise KeyError("l7")
+
+    monkeypatch.setattr(wire, "_decode_layer_table", broken)
+    with pytest.raises(WireError) as info:
+        decode_layer_metadata(encode_layer_metadata(LAYERS))
+    assert str(info.value) == "internal decoder error: KeyError: 'l7'"
 
 
 def test_layer_of() -> None:
