@@ -733,6 +733,51 @@ def encode(msg: Message) -> bytes:
     return payload
 
 
+class ReadyFrames:
+    """The READYs of one Prefill step to one endpoint, for every layer, validated once.
+
+    Within a step every layer's READY to an endpoint carries the same entries; only the
+    layer index and name change, and the last layer adds the finished requests. The entries
+    are validated (as a ``ReadReadyBatch``) and packed once here; ``encode`` then writes a
+    layer's frame as the array header and the packed fields joined, which is byte for byte
+    what ``encode(ReadReadyBatch(...))`` produces (msgpack packs an array as its header
+    followed by each element's packing). A test holds the two equal.
+    """
+
+    __slots__ = ("read_reqs", "group_member_idx", "tp_ratio", "_entries", "_tail")
+
+    def __init__(self, read_reqs: Sequence[ReadReq], group_member_idx: int = 0,
+                 tp_ratio: int = 1) -> None:
+        # Validate every field but the per-layer ones through the message's own checks.
+        probe = ReadReadyBatch(0, "-", tuple(read_reqs), (), group_member_idx, tp_ratio)
+        self.read_reqs = probe.read_reqs
+        self.group_member_idx = probe.group_member_idx
+        self.tp_ratio = probe.tp_ratio
+        self._entries = msgpack.packb(_fields(probe)[3], use_bin_type=True)
+        self._tail = msgpack.packb(probe.group_member_idx) + msgpack.packb(probe.tp_ratio)
+
+    def encode(self, layer_idx: int, layer_name: str, done_ext_ids: Sequence[str] = ()) -> bytes:
+        """The frame of ``ReadReadyBatch(layer_idx, layer_name, read_reqs, done_ext_ids,
+        group_member_idx, tp_ratio)``."""
+        layer_idx = _int(layer_idx, "layer_idx", 0, MAX_LAYER_IDX)
+        _str(layer_name, "layer_name", MAX_STR_LEN)
+        done = tuple(done_ext_ids)
+        if done:  # only the last layer of a step names finished requests
+            ReadReadyBatch(layer_idx, layer_name, (), done)
+        payload = b"".join((_READY_HEADER, msgpack.packb(
+            (layer_idx, layer_name), use_bin_type=True)[1:], self._entries,
+            msgpack.packb(done, use_bin_type=True), self._tail))
+        if len(payload) > MAX_FRAME_BYTES:
+            raise WireError(f"encoded ReadReadyBatch is {len(payload)} bytes, over "
+                            f"MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+        return payload
+
+
+# A 7-element fixarray and the packed kind: the first bytes of every current READY.
+_READY_HEADER = bytes([0x90 | 7]) + msgpack.packb(READ_READY_BATCH, use_bin_type=True)
+_READY_HEAD_LEN = len(_READY_HEADER)
+
+
 # --------------------------------------------------------------------------- decoding
 
 
@@ -859,14 +904,31 @@ def _decode(payload: Any) -> Message:
         raise WireError(text if text.startswith(prefix) else f"{prefix}: {text}") from None
 
 
+# Decoded small frames (replies and acks: a handful of distinct byte strings per run), by
+# their bytes. Decoding is a pure function and messages are frozen, so a hit returns what a
+# fresh decode would; the table stops growing at _SMALL_FRAMES entries, so a peer cannot
+# make it large. Frames that fail to decode are never kept.
+_SMALL_FRAME_BYTES = 64
+_SMALL_FRAMES = 4096
+_small: dict[bytes, Message] = {}
+
+
 def decode(payload: bytes) -> Message:
     """Decode one payload frame; raises only ``WireError`` (W5)."""
+    small = type(payload) is bytes and len(payload) <= _SMALL_FRAME_BYTES
+    if small:
+        msg = _small.get(payload)
+        if msg is not None:
+            return msg
     try:
-        return _decode(payload)
+        msg = _decode(payload)
     except WireError:
         raise
     except Exception as exc:  # W5 backstop, see module docstring
         raise WireError(f"internal decoder error: {type(exc).__name__}: {exc}") from None
+    if small and len(_small) < _SMALL_FRAMES:
+        _small[payload] = msg
+    return msg
 
 
 # --------------------------------------------------------------------------- handshake
@@ -994,6 +1056,16 @@ def layer_of(payload: bytes) -> int | None:
     try:
         if not isinstance(payload, bytes | bytearray | memoryview):
             return None
+        if payload[:_READY_HEAD_LEN] == _READY_HEADER:
+            # Every current READY starts with these bytes; a layer index below 2**16 packs
+            # as a fixint, uint8 or uint16 (anything else takes the general path below).
+            tag = payload[_READY_HEAD_LEN]
+            if tag < 0x80:
+                return tag
+            if tag == 0xCC:
+                return payload[_READY_HEAD_LEN + 1]
+            if tag == 0xCD and len(payload) >= _READY_HEAD_LEN + 3:
+                return int.from_bytes(payload[_READY_HEAD_LEN + 1:_READY_HEAD_LEN + 3], "big")
         # The kind and layer index sit in the first ~32 bytes; reading only a prefix keeps
         # this cheap and lets even oversized or truncated frames be answered.
         head = bytes(memoryview(payload)[:64])

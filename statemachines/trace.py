@@ -64,6 +64,16 @@ def summarize(payload: bytes) -> tuple[str, int | None]:
     """
     if payload == wire.RAW_ACK:
         return "ack", None
+    if type(payload) is bytes and len(payload) <= 64:
+        # Replies and acks: the codec's decode of a frame this short is a table lookup
+        # after the first time; a frame it refuses is summarized the long way below.
+        try:
+            msg = wire.decode(payload)
+        except Exception:  # noqa: BLE001 - garbage is summarized below
+            msg = None
+        if isinstance(msg, wire.ReadDone | wire.ReadFailed):
+            return ("read_done" if isinstance(msg, wire.ReadDone) else "read_failed",
+                    msg.layer_idx)
     try:
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64, max_str_len=64,
                                     max_bin_len=64, max_array_len=64, max_map_len=64,

@@ -38,6 +38,7 @@ from sfa_rd2h.spec.wire import (
     ReadFailed,
     ReadReadyBatch,
     ReadReq,
+    ReadyFrames,
     check_meta_ack,
     check_versions,
     decode,
@@ -157,6 +158,40 @@ def test_ready_and_replies_exact_bytes() -> None:
     assert encode(ReadDone(5)) == pack([b"read_done", 5])
     assert encode(ReadFailed(5, "boom")) == pack([b"read_failed", 5, "boom"])
     assert encode(MfMetaAck(False, 1, 1, "no")) == pack([b"mf_meta_ack", False, 1, 1, "no"])
+
+
+_ids = st.lists(st.integers(0, MAX_BLOCK_ID), max_size=20)
+_ext = st.text(min_size=1, max_size=12)
+_entries = st.lists(st.builds(ReadReq, _ext, _ids, _ids, st.integers(0, MAX_BLOCK_ID),
+                              st.integers(0, MAX_BLOCK_ID)), max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries=_entries, done=st.lists(_ext, max_size=4), ratio=st.integers(1, MAX_TP_RATIO),
+       layer=st.integers(0, MAX_LAYER_IDX), name=st.text(min_size=1, max_size=40),
+       data=st.data())
+def test_ready_frames_are_the_bytes_of_the_message(entries: list[ReadReq], done: list[str],
+                                                   ratio: int, layer: int, name: str,
+                                                   data: st.DataObject) -> None:
+    # Prefill packs a step's entries once and joins them into each layer's READY: the
+    # bytes must be exactly those of the message encoded whole.
+    member = data.draw(st.integers(0, ratio - 1))
+    frames = ReadyFrames(entries, member, ratio)
+    for d in ((), tuple(done)):
+        msg = ReadReadyBatch(layer, name, tuple(entries), d, member, ratio)
+        assert frames.encode(layer, name, d) == encode(msg)
+
+
+def test_ready_frames_refuse_what_the_message_refuses() -> None:
+    with pytest.raises(WireError, match="group_member_idx"):
+        ReadyFrames((), 2, 2)
+    frames = ReadyFrames((ReadReq("a", (1,), (2,)),))
+    with pytest.raises(WireError, match="layer_idx"):
+        frames.encode(MAX_LAYER_IDX + 1, "l")
+    with pytest.raises(WireError, match="layer_name"):
+        frames.encode(0, "")
+    with pytest.raises(WireError, match="done_ext_ids"):
+        frames.encode(0, "l", ("",))
 
 
 def test_layer_order_is_preserved() -> None:

@@ -33,6 +33,7 @@ import mmap
 import os
 import re
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -71,10 +72,10 @@ _NAME_RE = re.compile(r"^sfa_rd2h\.[0-9]+\.[0-9a-f]+\.(ctl|[0-9]+)$")
 _MAX_FRAME = 64 << 20
 _WIRE_VERSION = 1
 _MAX_LINGERING = 64  # answered registry connections kept open for their reader to verify
-_CAP_SYS_PTRACE = 19
 REGISTRY_TIMEOUT_S = 5.0  # a reader's whole registry round trip (connect, ask, answer)
 REGISTRY_IO_S = 2.0  # the registry server: one read or write of a client, and its linger
 _IDLE_SELECT_S = 3600.0  # nothing lingers: wait for a client or the wake-up (re-armed hourly)
+_CAP_SYS_PTRACE = 19
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
@@ -219,6 +220,23 @@ def _is_local_client(conn: socket.socket) -> bool:
     return peer == mine or peer in ("::1",) or peer.startswith("127.")
 
 
+def _open_pidfd(pid: int, start: int | None) -> int | None:
+    """A pidfd for ``pid`` if it is still the process that started at ``start``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+    if _proc_start_time(pid) != start:  # the pid was recycled before we opened it
+        os.close(fd)
+        return None
+    return fd
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` has exited (its pidfd polls readable)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
 def _readv(pid: int, local_iov: int, remote_iov: int, count: int) -> tuple[int, int]:
     assert _process_vm_readv is not None
     got = _process_vm_readv(pid, local_iov, count, remote_iov, count, 0)
@@ -283,6 +301,8 @@ def _split_pieces(
 def _syscall_groups(n: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) index ranges, each at most IOV_MAX pieces and ~1 GiB, for one syscall."""
     k = n.size
+    if k <= IOV_MAX and int(n.sum()) < _GROUP_BYTES:
+        return [(0, k)]  # the common case: every piece starts in the first byte group
     idx = np.arange(k)
     start_bytes = np.cumsum(n) - n
     byte_key = start_bytes // np.uint64(_GROUP_BYTES)
@@ -471,12 +491,17 @@ class _PeerView:
     seg_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     seg_local: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     maps: dict[tuple[str, int], Any] = field(default_factory=dict)
+    # A pidfd of the peer, opened once its start time matched: it cannot follow a recycled
+    # pid, and one poll says whether the process exited (reading /proc/PID/stat twice per
+    # batch cost more than a 64 KiB copy). None where pidfds are unavailable.
+    pidfd: int | None = None
 
     def problem(self) -> tuple[TransferResult, str] | None:
         """Why this view can no longer be trusted, or None."""
         if int(self.ctl[1]) != 0:
             return TransferResult.PEER_GONE, "peer closed its engine"
-        if self.same_pidns and _proc_start_time(self.pid) != self.start:
+        if self.same_pidns and (_exited(self.pidfd) if self.pidfd is not None
+                                else _proc_start_time(self.pid) != self.start):
             return TransferResult.PEER_GONE, f"peer process {self.pid} has exited"
         if int(self.ctl[0]) != self.gen:
             return TransferResult.PEER_RANGE, "peer unregistered memory since it was described"
@@ -732,6 +757,10 @@ class HostEngine(TransferEngine):
             ctl=ctl_arr[:16].view(np.uint64),
             ranges=RangeTable.build(addrs, lens),
         )
+        if same_pidns:
+            view.pidfd = _open_pidfd(view.pid, view.start)
+            if view.pidfd is not None:
+                weakref.finalize(view, os.close, view.pidfd)
         if self.mode == "shm":
             old = self._peers.get(session)
             segs = sorted((int(b), int(sz), str(nm)) for nm, b, sz in reply["shm"])

@@ -255,7 +255,7 @@ def _idle(window: float, decode: Peer, echo: Peer) -> Result:
 LAYER_REQUESTS = 64
 LAYER_ENDPOINTS = 8
 LAYER_BLOCKS = 32
-LAYER_LAYERS = 8
+LAYER_LAYERS = 32  # a 32-layer model: request admission is amortized over a real depth
 _BLOCK_TOKENS = 128
 _LAYER_BYTES = (512 << 10, 512 << 10, 8 << 10, 256)
 

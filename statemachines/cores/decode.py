@@ -16,6 +16,7 @@ read that covers it is still in flight.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import zlib
@@ -145,6 +146,7 @@ class DecodeCore:
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
         self.stats = DecodeStats()
+        self._layouts_ok: set[tuple[wire.LayerMeta, DestLayout]] = set()
 
     # ----------------------------------------------------------------- requests (C1)
     def register_request(self, ext_req_id: str, main_dest: Sequence[int],
@@ -294,7 +296,7 @@ class DecodeCore:
             side = "prefill MF_META" if src is None else "decode registration"
             return self._reject(ready, f"L1: layer {msg.layer_name!r} is missing from {side}")
         try:
-            self._validate_layout(src, dst)
+            self._checked_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
         empty = next((e.ext_req_id for e in msg.read_reqs
@@ -315,6 +317,18 @@ class DecodeCore:
                     f"{self.limits.waiting_bytes} bytes"))
             return self._await_destinations(ready, missing, now)
         return self._plan(ready, now)
+
+    def _checked_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
+        """L1 for a READY. The check is a function of the two layouts alone (frozen
+        values), so a pair that passed is remembered and not checked again per READY;
+        a pair that fails is checked (and refused) every time."""
+        key = (src, dst)
+        if key in self._layouts_ok:
+            return
+        self._validate_layout(src, dst)
+        if len(self._layouts_ok) >= _LAYOUTS_KEPT:
+            self._layouts_ok.clear()
+        self._layouts_ok.add(key)
 
     # Hooks: the model checker's seeded bugs override these, nothing else does.
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
@@ -376,7 +390,7 @@ class DecodeCore:
         then the block ids of every entry are joined so the layout is checked once and numpy
         builds and coalesces all descriptors in one pass."""
         if not live:
-            return ReadPlan.empty()
+            return _EMPTY_PLAN
         member, ratio = msg.group_member_idx, msg.tp_ratio
         main_src, main_dst, idx_src, idx_dst = [], [], [], []
         for e in live:
@@ -479,7 +493,7 @@ class DecodeCore:
         if read.state == "done":
             self.stats.replies["done"] += 1
             if self._must_reply(ready):
-                actions.append(Send(ready.peer, wire.encode(wire.ReadDone(read.layer_idx))))
+                actions.append(Send(ready.peer, _read_done(read.layer_idx)))
             for ext in msg.done_ext_ids:
                 req = self.requests.get(ext)
                 if req is None or not self._requests.can(req.status, "contributor_final"):
@@ -583,6 +597,15 @@ class DecodeCore:
 
 
 _OVERFLOW_BITS = 1 << 20
+_LAYOUTS_KEPT = 65536  # (source, destination) layout pairs remembered as valid (L1)
+# A layer with nothing to read plans nothing; its arrays are empty, so one plan serves all.
+_EMPTY_PLAN = ReadPlan.empty()
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_done(layer_idx: int) -> bytes:
+    """W3 READ_DONE for a layer: the same few bytes for every READY of that layer."""
+    return wire.encode(wire.ReadDone(layer_idx))
 
 
 def _overflow_bits(ext_req_id: str) -> tuple[int, int]:

@@ -99,6 +99,7 @@ class PrefillCore:
             self._layer_gates.append(tuple(self.gates[k] for k in keys))
         self._published_at: dict[str, float] = {}
         self._planned: dict[int, dict[str, bytes]] = {}  # layer -> READY per endpoint
+        self._step: dict[str, tuple[wire.ReadyFrames, tuple[str, ...]]] | None = None
         self.endpoints: dict[str, _Endpoint] = {}
         self.requests: dict[str, PrefillRequest] = {}
         self.stale_replies = 0  # S5: duplicates and replies to an earlier publication
@@ -120,6 +121,7 @@ class PrefillCore:
             np.asarray(indexer_block_ids, dtype=np.int64))
         req.sent_blocks = min(remote.remote_cached_tokens // self.block_size, len(req.main_ids))
         self.requests[ext_req_id] = req
+        self._step = None
         return endpoint
 
     def extend_request(self, ext_req_id: str, main_block_ids: Sequence[int],
@@ -129,6 +131,7 @@ class PrefillCore:
         req = self.requests.get(ext_req_id)
         if req is None:
             raise ProtocolError(f"C2: request {ext_req_id!r} is not tracked")
+        self._step = None
         if len(main_block_ids):
             req.main_ids = np.concatenate(
                 [req.main_ids, np.asarray(main_block_ids, dtype=np.int64)])
@@ -147,11 +150,13 @@ class PrefillCore:
                 f"[{req.sent_blocks}, {len(req.main_ids)}]")
         req.chunk = (req.sent_blocks, stop)
         req.final = final
+        self._step = None
 
     def finish_request(self, ext_req_id: str) -> bool:
         """vLLM finished or aborted the request: stop publishing it. Layers already planned
         keep their READYs, so every reader a slot waits for still gets its READY (S3).
         Returns whether the request was still tracked."""
+        self._step = None
         return self.requests.pop(ext_req_id, None) is not None
 
     # Hooks: the model checker's seeded bugs override these, nothing else does.
@@ -218,26 +223,39 @@ class PrefillCore:
             actions += self._send_ready(endpoint, _Publication(layer_idx, payload))
         return actions
 
+    def _step_frames(self) -> dict[str, tuple[wire.ReadyFrames, tuple[str, ...]]]:
+        """Per endpoint, this step's entries (validated and packed once, since every layer
+        of a step carries the same ones) and the requests whose final chunk it is. Built on
+        the step's first layer; any change to the requests or their chunks drops it."""
+        if self._step is None:
+            entries: dict[str, list[wire.ReadReq]] = {}
+            done: dict[str, list[str]] = {}
+            for req in self.requests.values():
+                if req.chunk is None:
+                    continue
+                entry = self._entry(req, *req.chunk)
+                if entry is not None:
+                    entries.setdefault(req.endpoint, []).append(entry)
+                if req.final:
+                    done.setdefault(req.endpoint, []).append(req.ext_req_id)
+            self._step = {
+                ep: (wire.ReadyFrames(entries.get(ep, ()), self.member, self.mapping.ratio),
+                     tuple(done.get(ep, ())))
+                for ep in [*entries, *(ep for ep in done if ep not in entries)]
+            }
+        return self._step
+
     def _ready_payloads(self, layer_idx: int) -> dict[str, bytes]:
         last_layer = layer_idx == len(self.layer_names) - 1
-        entries: dict[str, list[wire.ReadReq]] = {}
-        done: dict[str, list[str]] = {}
-        for req in self.requests.values():
-            if req.chunk is None:
-                continue
-            entry = self._entry(req, *req.chunk)
-            if entry is not None:
-                entries.setdefault(req.endpoint, []).append(entry)
-            if last_layer and req.final:
-                done.setdefault(req.endpoint, []).append(req.ext_req_id)
+        name = self.layer_names[layer_idx]
         return {
-            ep: wire.encode(wire.ReadReadyBatch(
-                layer_idx, self.layer_names[layer_idx], tuple(entries.get(ep, ())),
-                tuple(done.get(ep, ())), self.member, self.mapping.ratio))
-            for ep in [*entries, *(ep for ep in done if ep not in entries)]
+            ep: frames.encode(layer_idx, name, done if last_layer else ())
+            for ep, (frames, done) in self._step_frames().items()
+            if frames.read_reqs or (last_layer and done)
         }
 
     def _close_chunks(self) -> None:
+        self._step = None
         for ext in list(self.requests):
             req = self.requests[ext]
             if req.chunk is None:
