@@ -640,6 +640,56 @@ def test_work_taken_for_a_dead_long_poll_goes_to_the_next_poll() -> None:
         assert time.monotonic() - t0 < 10  # given to this poll, not found at its timeout
 
 
+class _RequeueWatch(ProxyServer):
+    """Says when a long poll waits (either role) and when work went back to its queue."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.waiting = threading.Semaphore(0)
+        self.requeued = threading.Event()
+
+    def _take(self, queues: Any, instance: str, timeout: float, decode: bool) -> Any:
+        with self._cond:
+            self.waiting.release()
+            return super()._take(queues, instance, timeout, decode)
+
+    def _requeue(self, path: str, query: Any, items: Any) -> None:
+        super()._requeue(path, query, items)
+        self.requeued.set()
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_work_of_a_dead_poll_is_queued_again_for_its_own_role(role: str) -> None:
+    """Work a dead long poll took goes back to the queue of that role and instance, and
+    the job's status says it is waiting to be fetched again, not out with a poller."""
+    with _RequeueWatch(max_poll_s=30.0) as proxy:
+        job_id = proxy.submit(["a"], "d0", "p0", job_id="j")
+        [item] = fetch_work(proxy.url, "decode", "d0", timeout=0)
+        assert proxy.waiting.acquire(timeout=WAIT)
+        host, port = proxy.url.split("//")[1].split(":")
+        dead = socket.create_connection((host, int(port)))
+        instance = "d1" if role == "decode" else "p0"
+        dead.sendall(f"GET /v1/{role}_work?instance={instance}&timeout=20 HTTP/1.1\r\n"
+                     "Host: x\r\n\r\n".encode())
+        assert proxy.waiting.acquire(timeout=WAIT)  # the dead client's poll waits now
+        dead.close()
+        if role == "decode":
+            job_id = proxy.submit(["b"], "d1", "p1", job_id="k")
+        else:  # the last rendezvous queues the job for Prefill
+            assert post_rendezvous(proxy.metaserver_url, _rdv(item["request_id"])) == 200
+        assert proxy.requeued.wait(WAIT)
+        status = proxy.status(job_id)
+        if role == "decode":
+            assert status["requests"][0]["state"] == "queued"
+            [item] = fetch_work(proxy.url, "decode", "d1", timeout=0)
+            assert item["request_id"] == "k-0"
+            assert proxy.status(job_id)["requests"][0]["state"] == "at_decode"
+        else:
+            assert status["prefill_fetched"] is False
+            [job] = fetch_work(proxy.url, "prefill", "p0", timeout=0)
+            assert job["job"] == "j" and proxy.status(job_id)["prefill_fetched"] is True
+
+
 # --------------------------------------------------------------------------- /v1/finished
 
 

@@ -59,7 +59,7 @@ def test_a_start_record_in_a_state_other_than_the_initial_one_is_a_divergence(
     t.close()
     report = validate([tmp_path / "x.jsonl"])
     [d] = report.divergences
-    assert (d.line, d.rule) == (2, "machines")
+    assert (d.path, d.line, d.rule) == (str(tmp_path / "x.jsonl"), 2, "machines")
     assert f"{machine}[k] starts in {state!r}, not the initial state" in d.message
 
 
@@ -74,7 +74,8 @@ def test_a_machine_instance_started_twice_is_a_divergence(tmp_path: Path) -> Non
     t.close()
     report = validate([tmp_path / "d.jsonl"])
     [d] = report.divergences
-    assert (d.line, d.rule) == (4, "machines") and "request_status[r] started twice" in d.message
+    assert (d.path, d.line, d.rule) == (str(tmp_path / "d.jsonl"), 4, "machines")
+    assert d.message == "request_status[r] started twice"
     # The same key in another machine is another instance.
     t = Tracer(tmp_path / "ok.jsonl", "ok", role="decode")
     t("request_status", "k", "start", "", "registered", ())
@@ -244,6 +245,13 @@ def test_unanswered_readys_at_close_point_at_the_connection_last_line(tmp_path: 
         ("p.jsonl", 6, "S3", "connection c1 closed with unanswered READY(s) per layer {1: 1}")]
     lost = {"k": "conn", "t": 0.0, "ev": "lost", "peer": "d0:7000", "conn": "c1"}
     assert validate([_trace(tmp_path / "lost.jsonl", "prefill", [*recs, lost])]).ok
+    # a lost connection does not excuse the next one
+    lost0 = {"k": "conn", "t": 0.0, "ev": "lost", "peer": "d0:7000", "conn": "c0"}
+    assert [d.line for d in validate([_trace(tmp_path / "two.jsonl", "prefill",
+                                             [lost0, *recs])]).divergences] == [7]
+    # a connection seen once is reported at that line
+    once = _trace(tmp_path / "once.jsonl", "prefill", [recs[2]])
+    assert [(d.line, d.rule) for d in validate([once]).divergences] == [(2, "W1"), (2, "S3")]
     # the conn record alone makes the connection: its line is the one reported
     only = _trace(tmp_path / "only.jsonl", "prefill", [recs[0]])
     assert validate([only]).ok
