@@ -7,6 +7,7 @@ import http.client
 import inspect
 import json
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -28,6 +29,7 @@ from sfa_rd2h.runtime.metaserver import (
     report_finished,
 )
 from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.wire import MAX_ID_LEN
 
 WAIT = 10.0  # upper bound for anything awaited; never slept
 
@@ -658,10 +660,12 @@ class _RequeueWatch(ProxyServer):
         self.requeued.set()
 
 
-@pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_work_of_a_dead_poll_is_queued_again_for_its_own_role(role: str) -> None:
+@pytest.mark.parametrize(("role", "reset"), [("decode", False), ("prefill", False),
+                                           ("decode", True)])
+def test_work_of_a_dead_poll_is_queued_again_for_its_own_role(role: str, reset: bool) -> None:
     """Work a dead long poll took goes back to the queue of that role and instance, and
-    the job's status says it is waiting to be fetched again, not out with a poller."""
+    the job's status says it is waiting to be fetched again, not out with a poller. A
+    client that died with a reset (RST, not FIN) is as dead."""
     with _RequeueWatch(max_poll_s=30.0) as proxy:
         job_id = proxy.submit(["a"], "d0", "p0", job_id="j")
         [item] = fetch_work(proxy.url, "decode", "d0", timeout=0)
@@ -672,6 +676,8 @@ def test_work_of_a_dead_poll_is_queued_again_for_its_own_role(role: str) -> None
         dead.sendall(f"GET /v1/{role}_work?instance={instance}&timeout=20 HTTP/1.1\r\n"
                      "Host: x\r\n\r\n".encode())
         assert proxy.waiting.acquire(timeout=WAIT)  # the dead client's poll waits now
+        if reset:
+            dead.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         dead.close()
         if role == "decode":
             job_id = proxy.submit(["b"], "d1", "p1", job_id="k")
@@ -762,3 +768,132 @@ def test_wait_job_returns_a_job_that_finishes_while_it_waits(proxy: ProxyServer)
     cond.wait = wait  # type: ignore[method-assign]
     status = proxy.wait_job(job_id, 0.5)
     assert len(waits) == 1 and status["done"] is True and status["ok"] is False
+
+
+# --------------------------------------------------------------------------- documents
+
+
+def test_the_work_items_status_and_replies_are_the_documented_documents(
+        proxy: ProxyServer) -> None:
+    """What Decode, Prefill and a status reader get, field by field (C1, C3): a client
+    written against these names must find them."""
+    meta = proxy.metaserver_url
+    job_id = proxy.submit(["ab", "cde"], "d0", "p0", job_id="j")
+    items = fetch_work(proxy.url, "decode", "d0", timeout=0)
+    assert items == [
+        {"request_id": f"j-{i}", "job": "j", "index": i, "prompt": p, "num_tokens": len(p),
+         "metaserver": meta,
+         "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                "metaserver": meta}}
+        for i, p in enumerate(["ab", "cde"])]
+    first, second = _rdv("j-0"), _rdv("j-0", remote_port=31000)
+    assert post_rendezvous(meta, first) == 200
+    # before dispatch the latest rendezvous wins (a Decode that restarted), plainly
+    status, reply = _raw(meta, "POST", "/v1/metaserver", json.dumps(second.to_json()).encode())
+    assert (status, reply) == (200, {"status": "ok"})
+    assert proxy.status(job_id) == {
+        "job": "j", "done": False, "ok": False, "dispatched": False,
+        "prefill_fetched": False, "decode_instance": "d0", "prefill_instance": "p0",
+        "requests": [
+            {"request_id": "j-0", "state": "rendezvous", "rendezvous": True,
+             "prefill_ok": None, "decode_ok": None, "errors": {}},
+            {"request_id": "j-1", "state": "at_decode", "rendezvous": False,
+             "prefill_ok": None, "decode_ok": None, "errors": {}},
+        ]}
+    assert post_rendezvous(meta, _rdv("j-1")) == 200
+    [job] = fetch_work(proxy.url, "prefill", "p0", timeout=0)
+    assert job == {
+        "job": "j", "prompts": ["ab", "cde"], "max_completion_tokens": 1, "min_tokens": 1,
+        "requests": [
+            {"request_id": "j-0", "prompt": "ab", "num_tokens": 2,
+             "kv_transfer_params": second.to_json()},
+            {"request_id": "j-1", "prompt": "cde", "num_tokens": 3,
+             "kv_transfer_params": _rdv("j-1").to_json()},
+        ]}
+    # after dispatch: the same one again is a duplicate, another is refused
+    assert _raw(meta, "POST", "/v1/metaserver", json.dumps(second.to_json()).encode()) == (
+        200, {"status": "ok", "duplicate": True})
+    assert _raw(meta, "POST", "/v1/metaserver", json.dumps(first.to_json()).encode()) == (
+        409, {"error": "request_id 'j-0': a different rendezvous was already dispatched to "
+                       "Prefill"})
+    report_finished(proxy.url, "j-0", ok=True, role="prefill")
+    report_finished(proxy.url, "j-0", ok=False, role="decode", error="x")
+    sub = proxy.status(job_id)["requests"][0]
+    assert (sub["prefill_ok"], sub["decode_ok"], sub["state"]) == (True, False, "failed")
+    assert proxy.status(job_id)["prefill_fetched"] is True
+
+
+def test_submit_refuses_what_it_cannot_queue(proxy: ProxyServer) -> None:
+    longest = "j" * (MAX_ID_LEN - 12)
+    assert proxy.submit("a", "d0", "p0", job_id=longest) == longest
+    bad_id = f"job_id must be a non-empty string of at most {MAX_ID_LEN - 12} characters"
+    for job_id in (longest + "j", "", 7):
+        with pytest.raises(ValueError) as info:
+            proxy.submit("a", "d0", "p0", job_id=job_id)  # type: ignore[arg-type]
+        assert str(info.value) == bad_id
+    with pytest.raises(ValueError) as info:
+        proxy.submit([], "d0", "p0")
+    assert str(info.value) == "prompts must not be empty"
+    for decode, prefill, name in (("", "p0", "decode_instance"), ("d0", 5, "prefill_instance")):
+        with pytest.raises(ValueError) as info:
+            proxy.submit("a", decode, prefill)  # type: ignore[arg-type]
+        assert str(info.value) == f"{name} must be a non-empty string"
+    proxy.close()
+    with pytest.raises(RuntimeError) as info:
+        proxy.submit("a", "d0", "p0")
+    assert str(info.value) == "ProxyServer is closed"
+
+
+def test_a_post_without_content_length_is_411(proxy: ProxyServer) -> None:
+    host, port = proxy.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT) as s:
+        s.sendall(b"POST /v1/finished HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = http.client.HTTPResponse(s)
+        resp.begin()
+        assert (resp.status, json.loads(resp.read())) == (
+            411, {"error": "Content-Length is required"})
+
+
+def test_client_errors_carry_the_url_and_the_cause() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1/metaserver"  # nobody listens
+    with pytest.raises(MetaserverUnreachable) as info:
+        post_rendezvous(url, _rdv("r-0"), retries=0, sleep=lambda _: None)
+    err = info.value
+    assert (err.url, err.attempts) == (url, 1)
+    assert isinstance(err.last_error, urllib.error.URLError)
+    assert str(err).startswith(f"metaserver {url} unreachable after 1 attempt(s) (F1): "
+                               "URLError: ")
+    with ProxyServer() as proxy:
+        with pytest.raises(ProxyRequestError) as info2:
+            report_finished(proxy.url, "ghost", ok=True, role="decode")
+    assert info2.value.url == f"{proxy.url}/v1/finished" and info2.value.status == 404
+
+
+def test_report_finished_posts_to_the_finished_path_of_the_base_url() -> None:
+    """The request line itself (http.server would fold a doubled slash before a handler
+    saw it), for a base URL with and without trailing slashes."""
+    lines: list[bytes] = []
+
+    def serve(listener: socket.socket, n: int) -> None:
+        for _ in range(n):
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                lines.append(data.split(b"\r\n", 1)[0])
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.settimeout(WAIT)
+        t = threading.Thread(target=serve, args=(listener, 3))
+        t.start()
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        for url in (base, base + "/", base + "//"):
+            report_finished(url, "r", ok=True, role="decode")
+        t.join(WAIT)
+    assert lines == [b"POST /v1/finished HTTP/1.1"] * 3

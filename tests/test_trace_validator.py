@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -413,3 +414,72 @@ def test_the_decode_endpoint_may_come_in_the_header(tmp_path: Path) -> None:
     assert _where(validate([p, d])) == [
         ("p.jsonl", 3, "S3", f"connection c1: Prefill sent READYs per layer {{}}, {d} "
                              "received {0: 1}")]
+
+
+def test_the_tracer_buffers_transitions_and_flushes_frames_in_blocks(tmp_path: Path) -> None:
+    """Transitions come under the worker's lock, so they only ever go to the buffer; a
+    frame or info record finds it full at 512 lines and writes it; ``close`` writes the
+    rest, once. Times are seconds since the tracer started, to the microsecond."""
+    path = tmp_path / "deep" / "er" / "d.jsonl"  # folders are made
+    before = time.monotonic()
+    t = Tracer(path, "d", role="decode")
+    assert (t.path, t.process_name) == (path, "d")
+    for i in range(600):
+        t("request_status", f"r{i}", "start", "", "registered", ())
+    assert path.read_text() == ""  # nothing written under the lock
+    t.info(n=1)
+    assert len(path.read_text().splitlines()) == 602
+    for i in range(511):
+        t.info(n=i, where=tmp_path)  # values JSON cannot hold are written as text
+    assert len(path.read_text().splitlines()) == 602  # 511 buffered
+    t.info(n=511)
+    assert len(path.read_text().splitlines()) == 602 + 512  # full: written
+    t.message("recv", "p", b"ACK")
+    t.close()
+    t.close()  # idempotent
+    t.info(n=-1)  # ignored after close
+    after = time.monotonic()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 602 + 512 + 2
+    assert [r["k"] for r in records[-3:]] == ["info", "msg", "close"]
+    assert records[-4]["where"] == str(tmp_path)
+    assert records[-2] == {"k": "msg", "t": records[-2]["t"], "dir": "recv", "peer": "p",
+                           "kind": "ack"}
+    times = [r["t"] for r in records[1:]]
+    assert all(0 <= x <= after - before and x == round(x, 6) for x in times)
+
+
+def test_cross_checks_pair_every_connection_and_judge_every_request(tmp_path: Path) -> None:
+    """S3 across files goes on past a connection to no known Decode, and a Decode that
+    never saw the connection received nothing on it; R1/R2 go on past a disagreement,
+    and request keys may be null."""
+    p = _trace(tmp_path / "p.jsonl", "prefill", [
+        {"k": "conn", "t": 0.0, "ev": "open", "peer": "elsewhere:1", "conn": "c0"},
+        {"k": "conn", "t": 0.0, "ev": "open", "peer": "d0:7000", "conn": "c1"},
+        _msg("send", "d0:7000", "mf_meta", conn="c1"),
+        _msg("send", "d0:7000", "read_ready_batch", 0, conn="c1"),
+        _msg("recv", "d0:7000", "read_done", 0, conn="c1"),
+    ])
+    d = _trace(tmp_path / "d.jsonl", "decode", [], endpoint="d0:7000")
+    assert _where(validate([p, d])) == [
+        ("p.jsonl", 6, "S3", f"connection c1: Prefill sent READYs per layer {{0: 1}}, {d} "
+                             "received {}")]
+
+    def rank(name: str, outcomes: dict) -> Path:
+        recs = []
+        for key, ends in outcomes.items():
+            recs.append(_tr("request_status", key, "start", "", "registered"))
+            recs.append(_tr("request_status", key, "contributor_final", "registered",
+                            "local_ok"))
+            if ends:
+                recs.append(_tr("request_status", key, "tp_agreed", "local_ok", ends))
+        return _trace(tmp_path / name, "decode", recs)
+
+    d0 = rank("d0.jsonl", {"a": "succeeded", "b": "succeeded", None: "succeeded"})
+    d1 = rank("d1.jsonl", {"a": "failed", "b": None, None: "succeeded"})
+    assert _where(validate([d0, d1])) == [
+        ("d1.jsonl", 4, "R2", "request 'a' ended 'failed' here but the Decode ranks "
+                              f"disagree: {{{str(d0)!r}: 'succeeded', {str(d1)!r}: 'failed'}}"),
+        ("d1.jsonl", 5, "R1", "request 'b' is terminal on another Decode rank but never "
+                              "reached a terminal state here"),
+    ]
