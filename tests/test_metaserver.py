@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.client
 import inspect
 import json
+import logging
+import re
 import socket
 import struct
 import threading
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from sfa_rd2h.runtime import metaserver
 from sfa_rd2h.runtime.metaserver import (
     MetaserverUnreachable,
     ProxyRequestError,
@@ -897,3 +900,145 @@ def test_report_finished_posts_to_the_finished_path_of_the_base_url() -> None:
             report_finished(url, "r", ok=True, role="decode")
         t.join(WAIT)
     assert lines == [b"POST /v1/finished HTTP/1.1"] * 3
+
+
+# --------------------------------------------------------------------------- clients, raw
+
+
+class _OneShotServer:
+    """Answers each connection with ``reply`` (raw HTTP) and keeps what was asked: the
+    request line, the headers and the body, exactly as the client sent them."""
+
+    def __init__(self, reply: bytes, n: int = 1) -> None:
+        self.reply = reply
+        self.requests: list[bytes] = []
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(4)
+        self.listener.settimeout(WAIT)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, args=(n,))
+        self.thread.start()
+
+    def _serve(self, n: int) -> None:
+        for _ in range(n):
+            conn, _ = self.listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: (\d+)", head)
+                while length and len(body) < int(length.group(1)):
+                    body += conn.recv(4096)
+                self.requests.append(data[:len(head) + 4] + body)
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.thread.join(WAIT)
+        self.listener.close()
+
+
+def test_fetch_work_asks_with_a_bare_get_and_refuses_what_is_not_a_list() -> None:
+    server = _OneShotServer(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    try:
+        with pytest.raises(ProxyRequestError) as info:
+            fetch_work(server.url + "/", "prefill", "p 0", timeout=0.5)
+    finally:
+        server.close()
+    url = f"{server.url}/v1/prefill_work?instance=p+0&timeout=0.5"
+    assert (info.value.url, info.value.status) == (url, 200)
+    assert str(info.value) == f"{url}: HTTP 200: expected a JSON list, got dict"
+    [request] = server.requests
+    assert request.startswith(b"GET /v1/prefill_work?instance=p+0&timeout=0.5 HTTP/1.1\r\n")
+    assert b"content-length" not in request.lower()
+    with pytest.raises(ValueError) as info2:
+        fetch_work(server.url, "judge", "x")
+    assert str(info2.value) == "role must be one of ('prefill', 'decode'), got 'judge'"
+
+
+def test_fetch_work_gives_up_at_its_wait_plus_the_response_slack(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metaserver, "RESPONSE_SLACK_S", 0.1)
+    with socket.socket() as listener:  # accepts, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        with pytest.raises(OSError):
+            fetch_work(f"http://127.0.0.1:{listener.getsockname()[1]}", "decode", "d",
+                       timeout=0.1)
+
+
+@pytest.mark.parametrize(("reply", "message"), [
+    (b'{"error": "no such job"}', "no such job"),
+    (b"\xff" + b"x" * 300, "\ufffd" + "x" * 199),  # not JSON: its first 200 bytes, as text
+])
+def test_an_error_answer_names_the_url_status_and_message(reply: bytes, message: str) -> None:
+    server = _OneShotServer(b"HTTP/1.0 503 Busy\r\nContent-Length: %d\r\n\r\n%s"
+                            % (len(reply), reply))
+    try:
+        with pytest.raises(ProxyRequestError) as info:
+            report_finished(server.url, "r", ok=True, role="decode", error="e")
+    finally:
+        server.close()
+    url = f"{server.url}/v1/finished"
+    assert (info.value.url, info.value.status) == (url, 503)
+    assert str(info.value) == f"{url}: HTTP 503: {message}"
+    [request] = server.requests
+    assert request.startswith(b"POST /v1/finished HTTP/1.1\r\n")
+    assert json.loads(request.partition(b"\r\n\r\n")[2]) == {
+        "request_id": "r", "ok": True, "role": "decode", "error": "e"}
+
+
+def test_post_rendezvous_defaults_arguments_and_logging(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """F1 defaults: 6 attempts (5 retries) 0.05 s apart, doubling; every failed attempt
+    and an error answer are logged with the URL."""
+    url = f"http://127.0.0.1:{_free_port()}/v1/metaserver"
+    delays: list[float] = []
+    caplog.set_level(logging.INFO, logger=metaserver.__name__)
+    with pytest.raises(MetaserverUnreachable):
+        post_rendezvous(url, _rdv("r-0"), sleep=delays.append)
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8]
+    failed = [r.getMessage() for r in caplog.records]
+    assert len(failed) == 6 and failed[0].startswith(f"metaserver {url} attempt 1 failed: ")
+    assert failed[5].startswith(f"metaserver {url} attempt 6 failed: <urlopen error")
+    for kw, ok in (({"backoff": 0}, True), ({"backoff": -0.1}, False),
+                   ({"retries": -1}, False), ({"timeout": 0}, False)):
+        if ok:
+            with pytest.raises(MetaserverUnreachable):
+                post_rendezvous(url, _rdv("r-0"), retries=0, **kw)
+        else:
+            with pytest.raises(ValueError) as info:
+                post_rendezvous(url, _rdv("r-0"), **kw)
+            assert str(info.value) == "retries and backoff must be >= 0 and timeout > 0"
+    with pytest.raises(TypeError) as info2:
+        post_rendezvous(url, _rdv("r-0").to_json())  # type: ignore[arg-type]
+    assert str(info2.value) == "expected a Rendezvous, got dict"
+    caplog.clear()
+    with ProxyServer() as proxy:
+        assert post_rendezvous(proxy.metaserver_url, _rdv("ghost-0")) == 404
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"metaserver {proxy.metaserver_url} answered 404 for ghost-0"]
+
+
+@pytest.mark.parametrize(("length", "body", "status", "error"), [
+    ("abc", b"", 400, "bad Content-Length 'abc'"),
+    ("-1", b"", 400, "bad Content-Length '-1'"),
+    ("0", b"", 400, "body is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("10", b"[1, 2]", 400, "body truncated: 6 of 10 bytes"),
+    ("65", b" " * 65, 413, "body of 65 bytes exceeds the limit of 64"),
+    ("64", b"[" + b" " * 62 + b"]", 400, "body: expected a JSON object, got list"),
+])
+def test_a_body_is_read_by_its_content_length_up_to_the_limit(
+        length: str, body: bytes, status: int, error: str) -> None:
+    with ProxyServer(max_body=64) as proxy:
+        host, port = proxy.url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT) as s:
+            s.sendall(b"POST /v1/finished HTTP/1.1\r\nHost: x\r\nContent-Length: %s\r\n\r\n%s"
+                      % (length.encode(), body))
+            s.shutdown(socket.SHUT_WR)  # a truncated body ends here
+            resp = http.client.HTTPResponse(s)
+            resp.begin()
+            assert (resp.status, json.loads(resp.read())) == (status, {"error": error})
+        assert _raw(proxy.url, "POST", "/v1/nowhere", b"{}") == (
+            404, {"error": "no such endpoint: POST /v1/nowhere"})

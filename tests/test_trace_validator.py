@@ -8,9 +8,11 @@ import os
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
-from sfa_rd2h.statemachines.trace import Tracer, validate
+from sfa_rd2h.spec import wire
+from sfa_rd2h.statemachines.trace import Tracer, summarize, validate
 
 
 def _decode_rank(path: Path, request: str, ends: str | None, *, closed: bool = True) -> Path:
@@ -483,3 +485,29 @@ def test_cross_checks_pair_every_connection_and_judge_every_request(tmp_path: Pa
         ("d1.jsonl", 5, "R1", "request 'b' is terminal on another Decode rank but never "
                               "reached a terminal state here"),
     ]
+
+
+def _pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize(("payload", "expected"), [
+    (wire.RAW_ACK, ("ack", None)),
+    (wire.encode(wire.ReadDone(3)), ("read_done", 3)),
+    (bytearray(wire.encode(wire.ReadDone(3))), ("read_done", 3)),
+    (wire.encode(wire.ReadFailed(4, "x" * 100)), ("read_failed", 4)),
+    (wire.encode(wire.ReadReadyBatch(9, "l", (), ())), ("read_ready_batch", 9)),
+    (_pack([b"mf_meta_ack"]), ("mf_meta_ack", None)),  # one field: a kind alone
+    (_pack([b"\xffx", 1]), ("\ufffdx", None)),  # a kind that is not ASCII, shown
+    (_pack([wire.READ_DONE, True]), ("read_done", None)),  # a layer that is no int
+    (_pack([]), ("malformed", None)),
+    (_pack(["read_done", 3]), ("malformed", None)),  # a kind must be bytes
+    (_pack([5, 3]), ("malformed", None)),
+    (_pack([wire.READ_DONE, msgpack.ExtType(1, b"x")]), ("malformed", None)),
+    (b"\xc1", ("malformed", None)),
+])
+def test_a_frame_is_summarized_by_its_kind_and_layer(payload: bytes,
+                                                     expected: tuple) -> None:
+    """What a trace records for a frame; anything that is not a well-formed frame head is
+    'malformed', never an exception."""
+    assert summarize(payload) == expected
