@@ -26,8 +26,9 @@ from sfa_rd2h.model_check import invariants as inv
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
+from sfa_rd2h.spec.timing import READ_BUDGET_S, REPLY_TIMEOUT_S
 from sfa_rd2h.spec.topology import tp_mapping
-from sfa_rd2h.statemachines.cores.actions import IssueRead, Send
+from sfa_rd2h.statemachines.cores.actions import Disconnect, IssueRead, Send
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
 from sfa_rd2h.statemachines.trace import Tracer
@@ -37,11 +38,16 @@ MAIN_BYTES, INDEXER_BYTES, SCALE_BYTES = 4, 2, 1  # bytes per block of each tens
 P_BASE, D_BASE = 0x1000, 0x100000
 D_PORT = 7000
 FOREVER = 1e9
+# S6's assumption: a frame reaches the Decode core within this long of being sent, so time
+# never passes that bound while one is in flight.
+DELIVERY_BOUND_S = REPLY_TIMEOUT_S - READ_BUDGET_S
 # What swarm testing switches on or off per deployment; "rogue" is a peer outside the
-# project's Prefill discipline, in either of its two forms (FAULT_OPS names every fault op).
-FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode", "rogue")
+# project's Prefill discipline, in either of its two forms; "slow_reader" lets Prefill's reply
+# timeout fire while a Decode read is still in flight (FAULT_OPS names every fault op).
+FAULT_KINDS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode", "rogue",
+               "slow_reader")
 FAULT_OPS = ("fail_read", "dup_reply", "replay_final", "garbage", "restart_decode",
-             "rogue_ready", "rogue_meta")
+             "rogue_ready", "rogue_meta", "p_timeout")
 
 Op = tuple
 
@@ -94,12 +100,10 @@ class LegacyPrefillCore(PrefillCore):
     """A Prefill rank built before unequal TP: 5-field READY (W4), so Decode takes it for
     member 0 of a group of one (the mixed-build hazard of T1)."""
 
-    def _ready_payloads(self, layer_idx):  # type: ignore[no-untyped-def]
-        out = {}
-        for ep, payload in super()._ready_payloads(layer_idx).items():
-            fields = msgpack.unpackb(payload, raw=False)
-            out[ep] = msgpack.packb(fields[:5], use_bin_type=True)
-        return out
+    def _encode_ready(self, frames, layer_idx, layer_name, done):  # type: ignore[no-untyped-def]
+        fields = msgpack.unpackb(super()._encode_ready(frames, layer_idx, layer_name, done),
+                                 raw=False)
+        return msgpack.packb(fields[:5], use_bin_type=True)
 
 
 @dataclass
@@ -111,6 +115,7 @@ class _Ghost:
     readys: Counter = field(default_factory=Counter)  # (p, d) -> READYs delivered
     replies: Counter = field(default_factory=Counter)  # (p, d) -> replies sent
     meta_seen: set[tuple[int, int]] = field(default_factory=set)
+    read_source: dict = field(default_factory=dict)  # (d, read id) -> source bytes at issue
     ratios: dict[tuple[int, str], set[int]] = field(default_factory=dict)  # (d, ext)
     finals: dict[tuple[int, str], set[int]] = field(default_factory=dict)
     read_origin: dict[tuple[int, int], tuple[int, int, int, bool]] = field(default_factory=dict)
@@ -151,11 +156,13 @@ class Cluster:
         # Decode ranks are numbered globally: g = instance * d_tp + tp_rank.
         self.decode = [self._new_decode(g) for g in range(self.n_d)]
         self.to_d: dict[tuple[int, int], deque[bytes]] = {}
+        self.to_d_sent: dict[tuple[int, int], deque[float]] = {}  # when each was sent
         self.to_p: dict[tuple[int, int], deque[bytes]] = {}
         for p in range(scope.p_tp):
             for inst in range(scope.d_instances):
                 g = inst * scope.d_tp + self.mapping.d_rank(p)
                 self.to_d[(p, g)] = deque()
+                self.to_d_sent[(p, g)] = deque()
                 self.to_p[(p, g)] = deque()
         self.reads: list[deque[IssueRead]] = [deque() for _ in range(self.n_d)]
         self.schedule = self._schedule()
@@ -169,7 +176,12 @@ class Cluster:
         self.faults = 0
         self.timer_fired = False
         self.p_errors = 0
-        self.d_now = [0.0] * self.n_d
+        # One clock for every process: timeouts on both sides measure the same time passing,
+        # which is what S6 relies on (each side measures only its own durations).
+        self.now = 0.0
+        # Prefill's connection to a Decode rank is replaced after a reply timeout (S5): the
+        # new DEALER has a new identity, so replies to the old one never reach it.
+        self._conn_gen: Counter[tuple[int, int]] = Counter()
         self.ghost = _Ghost()
         # (p, READY, is a replay[, "rogue"]) while Decode handles a delivered READY
         self._ready_in_hand: tuple | None = None
@@ -291,7 +303,8 @@ class Cluster:
 
     def _identity(self, p: int, g: int) -> str:
         """The ZMQ identity Decode rank ``g`` sees for Prefill rank ``p``'s connection."""
-        return f"p{p}@{self._epoch[g // self.scope.d_tp]}"
+        gen = self._conn_gen[(p, g)]
+        return f"p{p}@{self._epoch[g // self.scope.d_tp]}" + (f".{gen}" if gen else "")
 
     def close_traces(self) -> None:
         for tracer in self.tracers:
@@ -364,7 +377,8 @@ class Cluster:
         progress = bool(ops)
         for d, core in enumerate(self.decode):
             if timers and (core.has_waiting_reads() or (not progress and
-                                                        core.next_deadline() is not None)):
+                                                        core.next_deadline() is not None)) \
+                    and self._time_may_reach(max(self.now, core.next_deadline() or 0.0)):
                 ops.append(("tick", d))
         if faults and self.faults < s.max_faults:
             kinds = s.fault_kinds
@@ -381,6 +395,13 @@ class Cluster:
             if "rogue" in kinds:
                 ops += [("rogue_ready", *key) for key in self.ghost.last_ready]
                 ops += [("rogue_meta", g) for g in range(self.n_d)]
+            if "slow_reader" in kinds:
+                # Bounded delivery (the assumption S6 states): Prefill's reply timeout only
+                # fires once its READYs reached Decode; what Decode does then may be slow.
+                ops += [("p_timeout", p) for p, core in enumerate(self.prefill)
+                        if core.next_deadline() is not None
+                        and not any(self.to_d[key] for key in self.to_d if key[0] == p)
+                        and self._time_may_reach(max(self.now, core.next_deadline() or 0.0))]
         return ops
 
     def enabled_by_kind(self) -> dict[str, list[Op]]:
@@ -431,19 +452,27 @@ class Cluster:
             slot = layer % self.scope.n_slots
             inv.check_s1_no_overwrite_while_read(self.ghost.readers.get((p, slot), {}),
                                                  f"P{p}", slot, layer)
-            self._emit_prefill(p, core.begin_layer(layer, 0.0), landed=False)
+            self._emit_prefill(p, core.begin_layer(layer, self.now), landed=False)
             self.p_pos[p] = (step, layer, "scatter")
             return f"P{p} begins writing layer {layer} (step {step})"
         if phase == "scatter":
             self._scatter(p, step, layer)
             self.p_pos[p] = (step, layer, "land")
             return f"P{p} scatter of layer {layer} lands in slot {layer % self.scope.n_slots}"
-        actions = core.layer_landed(layer, 0.0)
+        actions = core.layer_landed(layer, self.now)
         self._emit_prefill(p, actions, landed=True)
         nxt = (step, layer + 1, "begin") if layer + 1 < self.scope.n_layers else (step + 1, 0,
                                                                                   "begin")
         self.p_pos[p] = nxt
         return f"P{p} device event of layer {layer} signalled; sends {len(actions)} frame(s)"
+
+    def _source_bytes(self, req: IssueRead) -> bytes:
+        """What the read's source ranges hold now (out-of-bounds ranges read as empty)."""
+        mem = self.p_mem[int(req.session.split(":")[0][1:])]
+        peer = req.plan.peer_addrs.astype(np.int64) - P_BASE
+        n = req.plan.lengths.astype(np.int64)
+        return b"".join(mem[max(a, 0):max(a + k, 0)].tobytes()
+                        for a, k in zip(peer.tolist(), n.tolist(), strict=True))
 
     def _scatter(self, p: int, step: int, layer: int) -> None:
         mem = self.p_mem[p]
@@ -469,12 +498,21 @@ class Cluster:
                 inv.check_c4_ready_after_landed(landed, f"P{p}", msg.layer_idx)
                 slot = msg.layer_idx % self.scope.n_slots
                 self.ghost.readers.setdefault((p, slot), Counter())[(f"D{d}", msg.layer_idx)] += 1
-            self.to_d[(p, d)].append(a.payload)
+            self._to_decode(p, d, a.payload)
             self._trace_msg(f"prefill{p}", "send", a.peer, a.payload, self._identity(p, d))
+
+    def _to_decode(self, p: int, d: int, payload: bytes) -> None:
+        self.to_d[(p, d)].append(payload)
+        self.to_d_sent[(p, d)].append(self.now)
+
+    def _time_may_reach(self, t: float) -> bool:
+        """Whether time may move on to ``t``: not past any frame's delivery bound (S6)."""
+        return all(t <= q[0] + DELIVERY_BOUND_S for q in self.to_d_sent.values() if q)
 
     # network --------------------------------------------------------------
     def _op_to_decode(self, p: int, d: int) -> str:
         payload = self.to_d[(p, d)].popleft()
+        self.to_d_sent[(p, d)].popleft()
         desc = f"D{d} receives {_describe(payload)} from P{p}"
         # A replayed READY legitimately rewrites what its original wrote (R4 is about
         # completion, not bytes), so its reads are left out of the write-once count.
@@ -508,7 +546,7 @@ class Cluster:
         elif _kind(payload) == wire.MF_META:
             self.ghost.meta_seen.add((p, d))
         self._trace_msg(f"decode{d}", "recv", self._identity(p, d), payload)
-        actions = self.decode[d].on_frame(self._identity(p, d), payload, self.d_now[d])
+        actions = self.decode[d].on_frame(self._identity(p, d), payload, self.now)
         self._emit_decode(d, actions)
         self._ready_in_hand = None
         return desc
@@ -532,7 +570,7 @@ class Cluster:
         try:
             self._trace_msg(f"prefill{p}", "recv", self._endpoint(d), payload,
                             self._identity(p, d))
-            actions = self.prefill[p].on_frame(self._endpoint(d), payload, 0.0)
+            actions = self.prefill[p].on_frame(self._endpoint(d), payload, self.now)
         except ProtocolError as exc:
             return desc + f" (rejected: {exc})"
         self._emit_prefill(p, actions, landed=True)
@@ -549,6 +587,11 @@ class Cluster:
             elif isinstance(a, Send):
                 p = int(a.peer[1:].split("@")[0])
                 self._trace_msg(f"decode{d}", "send", a.peer, a.payload)
+                if a.peer != self._identity(p, d):
+                    # Prefill replaced that connection (S5): the ROUTER cannot deliver to
+                    # the old identity, and the core hears it, as DecodeWorker tells it.
+                    self.decode[d].connection_lost(a.peer)
+                    continue
                 if _kind(a.payload) in (wire.READ_DONE, wire.READ_FAILED):
                     self.ghost.replies[(p, d)] += 1
                     inv.check_s3_one_reply_per_ready(self.ghost.readys[(p, d)],
@@ -556,6 +599,8 @@ class Cluster:
                                                      f"P{p}<->D{d}", drained=False)
                 self.to_p[(p, d)].append(a.payload)
             elif isinstance(a, IssueRead):
+                if len(a.plan):
+                    self.ghost.read_source[(d, a.read_id)] = self._source_bytes(a)
                 if self._ready_in_hand is not None:
                     p, msg, replay = self._ready_in_hand
                     self.ghost.read_origin[(d, a.read_id)] = (p, msg.layer_idx,
@@ -572,7 +617,12 @@ class Cluster:
             result = -1
         else:
             result = self._transfer(d, req, origin)
-        actions = self.decode[d].read_result(req.read_id, result, self.d_now[d])
+        actions = self.decode[d].read_result(req.read_id, result, self.now)
+        before = self.ghost.read_source.pop((d, req.read_id), None)
+        if before is not None and result == 0 and before != self._source_bytes(req):
+            accepted = any(isinstance(a, Send) and _kind(a.payload) == wire.READ_DONE
+                           for a in actions)
+            inv.check_s6_no_torn_read(accepted, f"D{d} read {req.read_id}", req.session)
         self._emit_decode(d, actions)
         return f"D{d} batched read {req.read_id} ({len(req.plan)} descriptors) -> {result}"
 
@@ -642,7 +692,7 @@ class Cluster:
     def _op_register(self, g: int, i: int) -> str:
         self.registered[g].add(i)
         actions = self.decode[g].register_request(
-            self.ext[i], self.d_main_ids[i], self.d_idx_ids[i][g], self.d_now[g])
+            self.ext[i], self.d_main_ids[i], self.d_idx_ids[i][g], self.now)
         self._emit_decode(g, actions)
         return f"D{g} worker registers destinations of {self.ext[i]}"
 
@@ -688,11 +738,41 @@ class Cluster:
     # timers and faults ---------------------------------------------------
     def _op_tick(self, d: int) -> str:
         deadline = self.decode[d].next_deadline()
-        self.d_now[d] = max(self.d_now[d], deadline)
+        self.now = max(self.now, deadline)
         self.timer_fired = True
-        actions = self.decode[d].tick(self.d_now[d])
+        actions = self.decode[d].tick(self.now)
         self._emit_decode(d, actions)
-        return f"D{d} timers fire at t={self.d_now[d]:g}"
+        return f"D{d} timers fire at t={self.now:g}"
+
+    def _op_p_timeout(self, p: int) -> str:
+        """Prefill's reply timeout fires (S5): it gives up on the late readers, fails their
+        outstanding reads and replaces their connections, and may reuse the slots, while
+        those readers' reads may still be in flight on Decode (S6 must then refuse them)."""
+        core = self.prefill[p]
+        deadline = core.next_deadline()
+        assert deadline is not None
+        self.now = max(self.now, deadline)
+        lost = []
+        for a in core.tick(self.now):
+            assert isinstance(a, Disconnect), a
+            g = self._rank_of_endpoint(a.peer)
+            tracer = self._trace_of.get(f"prefill{p}")
+            if tracer is not None:
+                tracer.connection("lost", a.peer, self._identity(p, g))
+            self._conn_gen[(p, g)] += 1
+            self.to_p[(p, g)].clear()  # replies on the old connection never arrive
+            self.ghost.readys[(p, g)] = self.ghost.replies[(p, g)] = 0
+            self.ghost.meta_seen.discard((p, g))
+            self.ghost.last_final.pop((p, g), None)
+            self.ghost.last_ready.pop((p, g), None)
+            # Prefill no longer waits for this reader: its slot may be rewritten (S5); a
+            # read still in flight is S6's to refuse.
+            for (pp, _slot), counter in self.ghost.readers.items():
+                if pp == p:
+                    for reader in [r for r in counter if r[0] == f"D{g}"]:
+                        del counter[reader]
+            lost.append(f"D{g}")
+        return f"fault: P{p}'s reply timeout fires at t={self.now:g}; gives up on {lost} (S5)"
 
     def _op_fail_read(self, d: int) -> str:
         self.fail_next_read[d] = True
@@ -704,7 +784,7 @@ class Cluster:
         return f"fault: D{d}'s next reply to P{p} is duplicated"
 
     def _op_replay_final(self, p: int, d: int) -> str:
-        self.to_d[(p, d)].append(self.ghost.last_final[(p, d)])
+        self._to_decode(p, d, self.ghost.last_final[(p, d)])
         self.ghost.replays[((p, d), self.ghost.last_final[(p, d)])] += 1
         return f"fault: P{p}'s last final-layer READY reaches D{d} again (R4)"
 
@@ -717,7 +797,7 @@ class Cluster:
         self._trace_msg(f"decode{d}", "recv", peer, payload)
         self._ready_in_hand = (p, wire.decode(payload), True, "rogue")
         try:
-            actions = self.decode[d].on_frame(peer, payload, self.d_now[d])
+            actions = self.decode[d].on_frame(peer, payload, self.now)
             self._emit_decode(d, actions)
         finally:
             self._ready_in_hand = None
@@ -731,14 +811,14 @@ class Cluster:
         peer = f"p0@rogue{self._rogues}"
         payload = msgpack.packb([wire.MF_META, "rogue:1", b"\x01", 1, 0, 1], use_bin_type=True)
         self._trace_msg(f"decode{d}", "recv", peer, payload)
-        self._emit_decode(d, self.decode[d].on_frame(peer, payload, self.d_now[d]))
+        self._emit_decode(d, self.decode[d].on_frame(peer, payload, self.now))
         inv.check_meta_answered(self.ghost.rogue_replies[peer], f"{peer}<->D{d}")
         return f"fault: a rogue peer sends D{d} an MF_META it cannot accept (W1, F3)"
 
     def _op_garbage(self, p: int, d: int) -> str:
         bad = msgpack.packb([wire.READ_READY_BATCH, self.scope.n_layers - 1, "layer.x",
                              [["r", [-1], [], 0, 0]], [], 0, 1], use_bin_type=True)
-        self.to_d[(p, d)].append(bad)
+        self._to_decode(p, d, bad)
         return f"fault: a malformed READY from P{p} reaches D{d} (W5)"
 
     def _op_restart_decode(self, inst: int) -> str:
@@ -767,6 +847,7 @@ class Cluster:
         for key in self.to_d:
             if key[1] in ranks:
                 self.to_d[key].clear()
+                self.to_d_sent[key].clear()
                 self.to_p[key].clear()
                 self.ghost.readys[key] = self.ghost.replies[key] = 0
                 self.ghost.meta_seen.discard(key)
@@ -778,7 +859,7 @@ class Cluster:
                                   if k[0] not in ranks}
         for p, core in enumerate(self.prefill):
             g = inst * self.scope.d_tp + self.mapping.d_rank(p)
-            core.peer_gone(self._endpoint(g), 0.0, "decode restarted")
+            core.peer_gone(self._endpoint(g), self.now, "decode restarted")
         return f"fault: Decode instance {inst} restarts (S5, W1)"
 
     @staticmethod

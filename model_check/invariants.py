@@ -83,6 +83,15 @@ def check_s1_no_overwrite_while_read(readers: Mapping[tuple[str, int], int], who
                     "has not replied")
 
 
+@judges("S6")
+def check_s6_no_torn_read(accepted: bool, who: str, session: str) -> None:
+    """S6: a read whose source bytes changed while it was in flight is never answered
+    READ_DONE."""
+    if accepted:
+        _fail("S6", f"{who} was answered READ_DONE although {session} rewrote its source "
+                    "while it was in flight")
+
+
 @judges("S2")
 def check_s2_gates_by_address(layer_gates: Sequence[Sequence[object]],
                               layer_slots: Sequence[int], who: str) -> None:

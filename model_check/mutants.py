@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan
@@ -195,6 +196,23 @@ class NoMetaCheck(DecodeCore):
         return super()._on_ready(peer, msg, now, payload)
 
 
+class FinalAfterLostLayer(PrefillCore):
+    """S7: after giving up on a reader, Prefill still reports the requests of the lost
+    READY final to that endpoint, so Decode completes them without that layer."""
+
+    def _abandon(self, endpoint: str, layer_idx: int | None) -> None:
+        return None
+
+
+class LateReadAccepted(DecodeCore):
+    """S6: a read is accepted however long after its READY it finished, also after Prefill
+    gave up on the reader (S5) and rewrote the slot during the copy."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read_budget = float("inf")
+
+
 # ---------------------------------------------------------------- catalog
 @dataclass(frozen=True)
 class SeededBug:
@@ -244,6 +262,10 @@ BUGS: tuple[SeededBug, ...] = (
               prefill=DropsPartialBlock),
     SeededBug("failed_read_reported_done", ("F2", "R5"), FailedReadReportedDone.__doc__,
               decode=FailedReadReportedDone),
+    SeededBug("late_read_accepted", ("S6", "S5"), LateReadAccepted.__doc__,
+              decode=LateReadAccepted, scope_hint="slow reader"),
+    SeededBug("final_after_lost_layer", ("S7", "R1"), FinalAfterLostLayer.__doc__,
+              prefill=FinalAfterLostLayer, scope_hint="slow reader or restart"),
 )
 
 BY_NAME = {b.name: b for b in BUGS}

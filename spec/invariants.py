@@ -54,6 +54,13 @@ RULES: tuple[Rule, ...] = (
              "gate so the compute path raises rather than waits."),
     _r("S5", "A reply counts once per endpoint, layer and publication; duplicates and stale "
              "replies never release a gate early; a vanished peer fails its outstanding reads."),
+    _r("S6", "Decode accepts a read only if it finished within its read budget of the "
+             "READY's arrival; the budget plus the READY's delivery time stays below "
+             "Prefill's reply timeout, so a slot Prefill stopped waiting for and reused "
+             "(S5) is never read as good.", "sfa_rd2h.spec.timing:check_timeouts"),
+    _r("S7", "Once Prefill gives up on a reader (lost peer, reply timeout, failed send), the "
+             "requests its unanswered READYs named are never reported final to that endpoint, "
+             "so Decode lets them expire (R1) instead of completing them without a layer."),
     # Requests on Decode
     _r("R1", "Decode schedules a request only when every contributor of its group reported "
              "the final layer and every Decode TP rank reached a terminal state."),

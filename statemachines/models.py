@@ -75,6 +75,9 @@ class LayerRead:
     missing: frozenset[str] = frozenset()
     n_reads: int = 0
     error: str | None = None
+    #: when the READY arrived and how long after that a read may still count (S6)
+    received_at: float = 0.0
+    read_budget: float = float("inf")
 
     def destinations_missing(self, *_: object) -> bool:
         return bool(self.missing)
@@ -86,12 +89,21 @@ class LayerRead:
         # F2: only an exact 0 is success; a raised engine error or any other value fails.
         return isinstance(result, int) and not isinstance(result, bool) and result == 0
 
+    def within_budget(self, result: object, now: float, *_: object) -> bool:
+        # S6: past the budget Prefill may have stopped waiting for this reader (S5) and
+        # rewritten the slot during the copy, so the bytes cannot be trusted.
+        return now - self.received_at <= self.read_budget
+
     def record_error(self, error: str, *_: object) -> None:
         self.error = error
 
-    def record_result(self, result: int | BaseException, *_: object) -> None:
+    def record_result(self, result: int | BaseException, now: float, *_: object) -> None:
         if isinstance(result, BaseException):
             self.error = f"F2: transfer engine raised {type(result).__name__}: {result}"
+        elif self.result_ok(result):
+            self.error = (f"S6: the read finished {now - self.received_at:.3g}s after its "
+                          f"READY arrived, past the read budget of {self.read_budget:g}s; "
+                          "Prefill may have reused the slot meanwhile")
         else:
             self.error = f"F2: batched read returned {result}"
 

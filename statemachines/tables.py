@@ -144,8 +144,10 @@ DECODE_LAYER_READ = MachineSpec(
         T("accept", "received", "done", ("S3", "T4")),
         T("destinations_arrived", "awaiting_destinations", "received", ("C1",)),
         T("wait_expired", "awaiting_destinations", "failed", ("C1",), before=("record_error",)),
-        T("read_completed", "reading", "done", ("C4",), conditions=("result_ok",)),
-        T("read_completed", "reading", "failed", ("F2", "R5"), before=("record_result",)),
+        T("read_completed", "reading", "done", ("C4", "S6"),
+          conditions=("result_ok", "within_budget")),
+        T("read_completed", "reading", "failed", ("F2", "S6", "R5"),
+          before=("record_result",)),
     ),
 )
 

@@ -95,8 +95,8 @@ def test_bench_help_names_no_outside_document(capsys):
 def test_diagrams_teach_how_to_read_them():
     dot = render.dot_source(BY_NAME["decode_layer_read"])
     # guard order where rows share (state, trigger); the unguarded last row reads [else]
-    assert '"1. read_completed\\n[result_ok]\\n(C4)"' in dot
-    assert '"2. read_completed [else]\\n/ record_result\\n(F2, R5)"' in dot
+    assert '"1. read_completed\\n[result_ok, within_budget]\\n(C4, S6)"' in dot
+    assert '"2. read_completed [else]\\n/ record_result\\n(F2, S6, R5)"' in dot
     assert "reject\\n/ record_error\\n(W1, W5, L1, T1)" in dot  # effects and rule IDs
     assert "READ_FAILED sent; destinations of" in dot  # what the state means
     assert "cluster_legend" in dot and "__initial -> received" in dot

@@ -320,7 +320,8 @@ def test_wait_for_layer_send_times_out_clearly(engines: tuple[HostEngine, HostEn
     pe, de = engines
     p = make_prefill(pe, 1, 1)
     d = make_decode(de, 1)
-    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, destination_wait=WAIT * 3), de, 0)
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, destination_wait=WAIT * 3,
+                                  read_budget=WAIT * 4), de, 0)
     pw = PrefillWorker(p.core())
     try:
         pw.add_request("r", params(dw.port), [1], [1])  # never registered on Decode (C1)
@@ -353,7 +354,7 @@ def test_decode_restart_rehandshakes_and_fails_the_outstanding_gate(
             waiting.set()
 
     first = DecodeWorker(DecodeCore(0, 1, d.layouts, destination_wait=WAIT * 3,
-                                    observer=observe), de, 0)
+                                    read_budget=WAIT * 4, observer=observe), de, 0)
     port = first.port
     pw = PrefillWorker(p.core(), tracer=ptr)
     second = None

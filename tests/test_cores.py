@@ -461,3 +461,60 @@ def test_decode_abort_fails_a_waiting_request_once():  # C1, R1, R5
     assert d.abort_request("r1", "again", 2.0) == []
     assert d.abort_request("unknown", "x", 2.0) == []
     assert "C1: vLLM aborted it" in d.requests["r1"].status.error
+
+
+def test_a_read_that_ends_past_its_budget_is_refused():  # S6, S5
+    d = decode(read_budget=30.0)
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p0", wire.encode(wire.MfMeta("10.0.0.1:1000", LAYERS)), 0.0)
+    [read] = d.on_frame("p0", ready(done=("r1",)), 100.0)
+    # The engine reports every byte landed, but Prefill gave up on this reader after its
+    # reply timeout and may have rewritten the slot during the copy.
+    actions = d.read_result(read.read_id, 0, 131.0)
+    [reply] = sends(actions)
+    failed = wire.decode(reply)
+    assert isinstance(failed, wire.ReadFailed) and failed.error.startswith("S6: ")
+    assert RequestReady("r1", False) in actions  # R5: the request fails, once
+    with pytest.raises(ProtocolError, match="S6: destination_wait=40 must be below"):
+        decode(destination_wait=40.0, read_budget=30.0)
+
+
+def test_prefill_never_reports_final_where_it_gave_up_on_a_layer():  # S7, S5, R1
+    two_slots = {"l0": layer_meta(0x10000), "l1": layer_meta(0x20000)}
+    p = PrefillCore(0, tp_mapping(1, 1), "10.0.0.1:1000", two_slots, block_size=4)
+    ep = "10.0.0.2:30000"
+    p.add_request("r1", PARAMS, [5], [1])
+    p.add_request("r2", dict(PARAMS, remote_host="10.0.0.3"), [6], [2])
+    p.schedule_chunk("r1", 4, final=True)
+    p.schedule_chunk("r2", 4, final=True)
+    p.begin_layer(0, 0.0)
+    p.layer_landed(0, 0.0)
+    p.on_frame(ep, wire.RAW_ACK, 0.0)
+    p.on_frame("10.0.0.3:30000", wire.RAW_ACK, 0.0)
+    p.on_frame("10.0.0.3:30000", wire.encode(wire.ReadDone(0)), 0.0)
+    p.begin_layer(1, 60.0)  # planned (other slot) while r1's layer-0 READY is unanswered
+    [gone] = p.tick(60.0)  # S5: no reply within the reply timeout
+    assert gone == Disconnect(ep, "no reply within 60.0s")
+    with pytest.raises(LayerSendError):
+        p.layer_writable(0)
+    frames = [wire.decode(f) for f in sends(p.layer_landed(1, 60.0))]
+    # The final layer goes to the other endpoint as planned; r1's endpoint gets nothing
+    # that could make Decode complete r1 without the layer it never read.
+    assert [(m.layer_idx, m.done_ext_ids) for m in frames
+            if isinstance(m, wire.ReadReadyBatch)] == [(1, ("r2",))]
+    assert not any(isinstance(m, wire.MfMeta) for m in frames)
+
+
+def test_a_replayed_final_ready_reads_nothing_again():  # R4, S1
+    """The original was read; by the time a replay arrives the slot may hold other KV."""
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p0", wire.encode(wire.MfMeta("10.0.0.1:1000", LAYERS)), 0.0)
+    final = ready(layer=1, done=("r1",), member=0, ratio=2)  # member 1 still outstanding
+    [read] = d.on_frame("p0", final, 0.0)
+    assert isinstance(read, IssueRead) and len(read.plan) > 0
+    d.read_result(read.read_id, 0, 0.0)
+    replay = d.on_frame("p0", final, 1.0)
+    assert not any(isinstance(a, IssueRead) for a in replay)
+    assert sends(replay) == [wire.encode(wire.ReadDone(1))]  # still one reply per READY (S3)
+    assert d.requests["r1"].status.state == "registered"  # and it advanced nothing (R4)

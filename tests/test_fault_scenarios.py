@@ -8,7 +8,7 @@ request (issue 9, item 5):
 (d) metaserver-down   the metaserver unreachable, then back (F1)
 (e) engine-failure    the transfer engine raises, then keeps raising (F2)
 (f) layout-mismatch   a Decode rank registered a layer with another layout (L1)
-(g) slow-reader       a read that outlasts Prefill's reply timeout and the request deadline
+(g) slow-reader       a read that ends after Prefill's reply timeout (S5, S6, S7)
 (h) late-destinations READYs that arrive before their destinations are registered (C1)
 
 For each: every request reaches a terminal state on every surviving Decode rank (read back
@@ -116,9 +116,13 @@ def test_fault_scenario_ends_every_request(tmp_path: Path, letter: str,
     if failed and inject != "kill-prefill":
         assert result.prefill_gate_errors > 0
 
-    if inject == "kill-prefill":  # R1: the dead rank's READYs never come; no one waits longer
+    if inject == "kill-prefill":
+        # R1: the dead rank's later READYs never come, and no one waits longer; a READY it
+        # sent just before dying may still be read, and that read of a dead process's
+        # memory fails (F2).
         assert failed == ids
-        assert all(r["decode0"].startswith("failed: R1") for r in result.outcomes.values())
+        assert all(r["decode0"].startswith(("failed: R1", "failed: F2"))
+                   for r in result.outcomes.values()), result.outcomes
     elif inject == "kill-decode":  # R2: the broken group fails every request on decode0
         assert failed == ids
         assert result.processes["decode0"]["group_error"]
@@ -139,8 +143,11 @@ def test_fault_scenario_ends_every_request(tmp_path: Path, letter: str,
         victim_job = work.victim.rsplit("-", 1)[0]  # type: ignore[union-attr]
         assert failed == {e for e in ids if e.startswith(victim_job + "-")}
         assert result.processes["decode0"]["injected"] > 0
-        cause = "failed: F2" if inject == "engine-failure" else "failed: R1"
-        assert all(result.outcomes[e]["decode0"].startswith(cause) for e in failed)
+        # slow-reader: the late read is refused by its budget (S6), or fails outright (F2)
+        # when Prefill, done with everything else, has exited by the time it ends.
+        causes = ("failed: F2",) if inject == "engine-failure" else ("failed: S6", "failed: F2")
+        assert all(result.outcomes[e]["decode0"].startswith(causes) for e in failed), \
+            result.outcomes
     elif inject == "layout-mismatch":
         assert failed == ids
         assert all(r["decode0"].startswith("failed: L1") for r in result.outcomes.values())

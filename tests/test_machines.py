@@ -111,8 +111,23 @@ def test_layer_read_paths():  # S3, C1, F2
     assert d.fire(waiting, "wait_expired", "C1: destinations never registered") == "failed"
     reading = d.start(LayerRead("c/2", 2, n_reads=3))
     d.fire(reading, "accept")
-    assert d.fire(reading, "read_completed", -5) == "failed"
+    assert d.fire(reading, "read_completed", -5, 0.0) == "failed"
     assert reading.error == "F2: batched read returned -5"
+
+
+def test_a_read_past_its_budget_fails_even_when_the_engine_says_ok():  # S6, S5
+    d = Driver("decode_layer_read")
+    on_time = d.start(LayerRead("c/0", 0, n_reads=1, received_at=100.0, read_budget=30.0))
+    d.fire(on_time, "accept")
+    assert d.fire(on_time, "read_completed", 0, 130.0) == "done"  # the budget is inclusive
+    late = d.start(LayerRead("c/1", 1, n_reads=1, received_at=100.0, read_budget=30.0))
+    d.fire(late, "accept")
+    assert d.fire(late, "read_completed", 0, 130.5) == "failed"
+    assert late.error.startswith("S6: the read finished 30.5s after its READY arrived")
+    broken = d.start(LayerRead("c/2", 2, n_reads=1, received_at=100.0, read_budget=30.0))
+    d.fire(broken, "accept")
+    assert d.fire(broken, "read_completed", -1, 200.0) == "failed"
+    assert broken.error == "F2: batched read returned -1"  # the engine's failure is named
 
 
 def test_peer_session_restarts_handshake():  # W1, F3, S5
@@ -159,7 +174,7 @@ ARGS = {
     "accept": st.just(()),
     "destinations_arrived": st.just(()),
     "wait_expired": st.tuples(st.text(max_size=5)),
-    "read_completed": st.tuples(st.integers(-3, 3)),
+    "read_completed": st.tuples(st.integers(-3, 3), st.floats(0, 100)),
     "contributor_final": st.tuples(st.integers(0, 4), st.integers(1, 4)),
     "read_failed": st.tuples(st.text(max_size=5)),
     "ratio_conflict": st.tuples(st.text(max_size=5)),

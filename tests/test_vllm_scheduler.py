@@ -821,6 +821,10 @@ def build(model_dir: str, role: str, extra: dict[str, Any], *, kv_port: int | No
      "kv_connector_extra_config['layer_send_timeout']=30.0: must exceed reply_timeout=30"),
     ("kv_consumer", {**HOST, "destination_wait": -1}, None,
      "kv_connector_extra_config['destination_wait']=-1: must be > 0"),
+    ("kv_consumer", {**HOST, "read_budget": 60.0}, None,
+     "kv_connector_extra_config['read_budget']=60.0: must be below reply_timeout=60"),
+    ("kv_consumer", {**HOST, "destination_wait": 40.0}, None,
+     "kv_connector_extra_config['destination_wait']=40.0: must be below read_budget=30"),
 ])
 def test_configuration_errors_name_the_key_and_value(model_dir, role, extra, kv_port,
                                                      message):

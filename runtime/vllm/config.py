@@ -21,6 +21,7 @@ times in seconds):
 | `reply_timeout` | `60.0` | P: a READY unanswered this long declares its reader lost (S5) |
 | `layer_send_timeout` | `120.0` | P: longest wait for a slot's readers (S1); > `reply_timeout` |
 | `destination_wait` | `10.0` | D: how long a READY waits for its request's destinations (C1) |
+| `read_budget` | `30.0` | D: a read later than this after its READY arrived fails (S6) |
 | `request_deadline` | `300.0` | D: every contributor final by then, else the request fails (R1) |
 | `metaserver_timeout` | `2.0` | D: per rendezvous POST attempt (F1) |
 | `metaserver_retries` | `5` | D: retries of a rendezvous POST on transport errors (F1) |
@@ -63,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "reply_timeout": 60.0,
     "layer_send_timeout": 120.0,
     "destination_wait": 10.0,
+    "read_budget": 30.0,
     "request_deadline": 300.0,
     "metaserver_timeout": 2.0,
     "metaserver_retries": 5,
@@ -70,8 +72,8 @@ DEFAULTS: dict[str, Any] = {
     "close_timeout": 5.0,
     "trace_dir": None,
 }
-_TIMEOUTS = ("reply_timeout", "layer_send_timeout", "destination_wait", "request_deadline",
-             "metaserver_timeout", "close_timeout")
+_TIMEOUTS = ("reply_timeout", "layer_send_timeout", "destination_wait", "read_budget",
+             "request_deadline", "metaserver_timeout", "close_timeout")
 # Keys other connectors (and upstream's SFA connector) put in the same dict; accepted, unused.
 _FOREIGN = frozenset({"use_layerwise", "connectors"})
 
@@ -108,6 +110,7 @@ class Rd2hConfig:
     reply_timeout: float
     layer_send_timeout: float
     destination_wait: float
+    read_budget: float
     request_deadline: float
     metaserver_timeout: float
     metaserver_retries: int
@@ -255,6 +258,14 @@ def parse_config(vllm_config: Any, *, n_groups: int | None = None) -> Rd2hConfig
             _extra("layer_send_timeout"), timeouts["layer_send_timeout"],
             f"must exceed reply_timeout={timeouts['reply_timeout']:g}, so a lost reader "
             "releases its slot (S5) before the compute path gives up (S1)")
+    # S6 across the pair: both engines of a deployment take these keys from the same
+    # defaults, and each checks the order on its own configuration.
+    for key, below in (("destination_wait", "read_budget"), ("read_budget", "reply_timeout")):
+        if not timeouts[key] < timeouts[below]:
+            raise ConnectorConfigError(
+                _extra(key), timeouts[key],
+                f"must be below {below}={timeouts[below]:g}: a READY's wait and read must end "
+                "before Prefill may give up on the reader and reuse the slot (S6)")
     return Rd2hConfig(
         role=role,
         engine_id=str(ktc.engine_id),

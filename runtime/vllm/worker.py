@@ -578,6 +578,7 @@ class ConsumerWorker:
                 self.rank, self.cfg.mapping.d_tp,
                 {name: dest_layout(t) for name, t in layers.items()},
                 destination_wait=self.cfg.destination_wait,
+                read_budget=self.cfg.read_budget,
                 request_deadline=self.cfg.request_deadline,
                 main_dest_shared=False,  # T5/T6: each rank's own KV cache takes all main KV
                 observer=_observers(_ReadTimer(self.stats), self.tracer))

@@ -28,6 +28,12 @@ import numpy as np
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
+from sfa_rd2h.spec.timing import (
+    DESTINATION_WAIT_S,
+    READ_BUDGET_S,
+    REQUEST_DEADLINE_S,
+    check_timeouts,
+)
 from sfa_rd2h.spec.topology import Cut, decode_cut
 from sfa_rd2h.statemachines.cores.actions import (
     Action,
@@ -109,8 +115,9 @@ class DecodeCore:
         d_tp: int,
         dest_layouts: Mapping[str, DestLayout],
         *,
-        destination_wait: float = 10.0,
-        request_deadline: float = 300.0,
+        destination_wait: float = DESTINATION_WAIT_S,
+        read_budget: float = READ_BUDGET_S,
+        request_deadline: float = REQUEST_DEADLINE_S,
         main_dest_shared: bool = True,
         limits: DecodeLimits | None = None,
         observer: Observer | None = None,
@@ -121,7 +128,9 @@ class DecodeCore:
         # pool), so each rank reads a piece; False for a per-rank KV cache (vLLM on CPU).
         self.main_dest_shared = main_dest_shared
         self.dest_layouts = dict(dest_layouts)
+        check_timeouts(destination_wait=destination_wait, read_budget=read_budget)
         self.destination_wait = destination_wait
+        self.read_budget = read_budget
         self.request_deadline = request_deadline
         self.limits = limits or DecodeLimits()
         self._reads = Driver("decode_layer_read", observer)
@@ -284,7 +293,8 @@ class DecodeCore:
 
     def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float,
                   payload: bytes = b"") -> list[Action]:
-        read = self._reads.start(LayerRead(self._read_key(peer, msg.layer_idx), msg.layer_idx))
+        read = self._reads.start(LayerRead(self._read_key(peer, msg.layer_idx), msg.layer_idx,
+                                           received_at=now, read_budget=self.read_budget))
         meta = self.connections.get(peer)
         ready = ServedReady(peer, msg, read, trusted=meta is not None, payload=payload)
         if meta is None:
@@ -424,9 +434,14 @@ class DecodeCore:
         that are locally complete or failed take no more writes (R5)."""
         live: list[wire.ReadReq] = []
         actions: list[Action] = []
+        member = msg.group_member_idx
+        # R4: a final-layer READY this contributor already delivered is a replay; what it
+        # names was read when the original came, and its slot may hold other KV since (S1).
+        replayed = {e for e in msg.done_ext_ids if (r := self.requests.get(e)) is not None
+                    and member in r.status.finals} if msg.done_ext_ids else ()
         for entry in msg.read_reqs:
             req = self.requests.get(entry.ext_req_id)
-            if req is not None and self._is_live(req):
+            if req is not None and self._is_live(req) and entry.ext_req_id not in replayed:
                 if req.ratio is None:
                     req.ratio = msg.tp_ratio
                 elif self._ratio_conflict(req, msg):
@@ -471,7 +486,8 @@ class DecodeCore:
     def read_result(self, read_id: int, result: int | BaseException,
                     now: float) -> list[Action]:
         """The batched read ``read_id`` returned ``result`` (0 = every byte landed) or raised
-        it: anything but 0 fails the layer (F2)."""
+        it at ``now``: anything but 0 fails the layer (F2), and so does a read that finished
+        past the read budget (S6)."""
         ready = self._inflight.pop(read_id, None)
         if ready is None:
             raise ProtocolError(f"C4: result for unknown read {read_id}")
@@ -479,7 +495,7 @@ class DecodeCore:
             req = self.requests.get(ext)
             if req is not None:
                 req.inflight -= 1
-        self._reads.fire(ready.read, "read_completed", self._transfer_result(result))
+        self._reads.fire(ready.read, "read_completed", self._transfer_result(result), now)
         return self._finish(ready)
 
     def _reject(self, ready: ServedReady, error: str) -> list[Action]:

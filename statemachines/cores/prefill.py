@@ -19,6 +19,7 @@ import numpy as np
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.params import RemoteDecode, parse_remote_decode
+from sfa_rd2h.spec.timing import REPLY_TIMEOUT_S, check_timeouts
 from sfa_rd2h.spec.topology import TpMapping
 from sfa_rd2h.statemachines.cores.actions import Action, Disconnect, Send
 from sfa_rd2h.statemachines.engine import Driver, Observer
@@ -50,6 +51,22 @@ class _Publication:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """One endpoint's READY of a planned layer, and what it was built from (S7 may have
+    to rebuild it without a request abandoned before the layer landed)."""
+
+    payload: bytes
+    frames: wire.ReadyFrames
+    done: tuple[str, ...]
+
+    def ext_ids(self) -> frozenset[str]:
+        return frozenset([e.ext_req_id for e in self.frames.read_reqs] + list(self.done))
+
+
+_ABANDONED_KEPT = 65536
+
+
 @dataclass(eq=False)
 class _Endpoint:
     session: PeerSession
@@ -74,7 +91,7 @@ class PrefillCore:
         layers: Mapping[str, wire.LayerMeta],
         *,
         block_size: int = 128,
-        reply_timeout: float = 60.0,
+        reply_timeout: float = REPLY_TIMEOUT_S,
         observer: Observer | None = None,
     ) -> None:
         self.p_rank = p_rank
@@ -83,6 +100,7 @@ class PrefillCore:
         self.session = session
         self.layer_names: tuple[str, ...] = tuple(layers)
         self.block_size = block_size
+        check_timeouts(reply_timeout=reply_timeout)
         self.reply_timeout = reply_timeout
         # The versioned 6-field form: the fork checks it, upstream reads its first 3 fields.
         self._meta = wire.MfMeta(session, dict(layers), wire.PROTOCOL_VERSION)
@@ -98,7 +116,13 @@ class PrefillCore:
                     self.gates[k] = self._slots.start(SlotGate(k))
             self._layer_gates.append(tuple(self.gates[k] for k in keys))
         self._published_at: dict[str, float] = {}
-        self._planned: dict[int, dict[str, bytes]] = {}  # layer -> READY per endpoint
+        # layer -> per endpoint: the READY, what it carries, the requests it names
+        self._planned: dict[int, dict[str, _Planned]] = {}
+        # layer -> per endpoint: the requests its last published READY named
+        self._carried: dict[int, dict[str, frozenset[str]]] = {}
+        # (endpoint, request) pairs Prefill gave up on (S7): never reported final there;
+        # bounded, oldest forgotten first (a request that old has no READY left to send).
+        self._abandoned: dict[tuple[str, str], None] = {}
         self._step: dict[str, tuple[wire.ReadyFrames, tuple[str, ...]]] | None = None
         self.endpoints: dict[str, _Endpoint] = {}
         self.requests: dict[str, PrefillRequest] = {}
@@ -167,6 +191,10 @@ class PrefillCore:
         full, partial = divmod(computed_tokens, self.block_size)
         return full + (1 if final and partial else 0)
 
+    def _encode_ready(self, frames: wire.ReadyFrames, layer_idx: int, layer_name: str,
+                      done: tuple[str, ...]) -> bytes:
+        return frames.encode(layer_idx, layer_name, done)
+
     def _gate_keys(self, layer_name: str, meta: wire.LayerMeta) -> tuple[str, str | None]:
         return slot_keys(meta)
 
@@ -203,7 +231,7 @@ class PrefillCore:
         """
         for g in self._layer_gates[layer_idx]:
             self._slots.fire(g, "begin_write", layer_idx)
-        self._planned[layer_idx] = self._ready_payloads(layer_idx)
+        self._planned[layer_idx] = self._ready_plans(layer_idx)
         if layer_idx == len(self.layer_names) - 1:
             self._close_chunks()
         return []
@@ -213,7 +241,13 @@ class PrefillCore:
         gates = self._layer_gates[layer_idx]
         for g in gates:
             self._slots.fire(g, "scatter_landed")
-        by_endpoint = self._planned.pop(layer_idx)
+        by_endpoint: dict[str, bytes] = {}
+        carried: dict[str, frozenset[str]] = {}
+        for ep, plan in self._planned.pop(layer_idx).items():
+            payload, ids = self._without_abandoned(ep, plan, layer_idx)
+            if payload:
+                by_endpoint[ep], carried[ep] = payload, ids
+        self._carried[layer_idx] = carried
         readers = frozenset(by_endpoint)
         for g in gates:
             self._slots.fire(g, "publish", readers)
@@ -231,7 +265,7 @@ class PrefillCore:
             entries: dict[str, list[wire.ReadReq]] = {}
             done: dict[str, list[str]] = {}
             for req in self.requests.values():
-                if req.chunk is None:
+                if req.chunk is None or (req.endpoint, req.ext_req_id) in self._abandoned:
                     continue
                 entry = self._entry(req, *req.chunk)
                 if entry is not None:
@@ -245,14 +279,31 @@ class PrefillCore:
             }
         return self._step
 
-    def _ready_payloads(self, layer_idx: int) -> dict[str, bytes]:
+    def _ready_plans(self, layer_idx: int) -> dict[str, _Planned]:
         last_layer = layer_idx == len(self.layer_names) - 1
         name = self.layer_names[layer_idx]
         return {
-            ep: frames.encode(layer_idx, name, done if last_layer else ())
+            ep: _Planned(self._encode_ready(frames, layer_idx, name, done if last_layer else ()),
+                         frames, done if last_layer else ())
             for ep, (frames, done) in self._step_frames().items()
             if frames.read_reqs or (last_layer and done)
         }
+
+    def _without_abandoned(self, endpoint: str, plan: _Planned,
+                           layer_idx: int) -> tuple[bytes, frozenset[str]]:
+        """The planned READY and the requests it names, re-encoded without those abandoned
+        on this endpoint since it was planned (S7); an empty READY if none is left."""
+        ids = plan.ext_ids()
+        if not self._abandoned or not any((endpoint, i) in self._abandoned for i in ids):
+            return plan.payload, ids
+        keep = [e for e in plan.frames.read_reqs
+                if (endpoint, e.ext_req_id) not in self._abandoned]
+        done = tuple(i for i in plan.done if (endpoint, i) not in self._abandoned)
+        if not keep and not done:
+            return b"", frozenset()
+        frames = wire.ReadyFrames(keep, self.member, self.mapping.ratio)
+        return (self._encode_ready(frames, layer_idx, self.layer_names[layer_idx], done),
+                frozenset([e.ext_req_id for e in keep] + list(done)))
 
     def _close_chunks(self) -> None:
         self._step = None
@@ -362,7 +413,21 @@ class PrefillCore:
         self._reset_session(ep)
         for g in self.gates.values():
             if g.state == "awaiting_replies" and g.is_pending(endpoint):
+                self._abandon(endpoint, g.owner)
                 self._slots.fire(g, "reader_lost", endpoint, f"S5: {reason}")
+
+    def _abandon(self, endpoint: str, layer_idx: int | None) -> None:
+        """S7: the requests a lost READY named never get reported final to that endpoint,
+        so Decode cannot complete them without the layer it never read; they expire there
+        (R1) instead."""
+        ids = self._carried.get(layer_idx, {}).get(endpoint, frozenset()) \
+            if layer_idx is not None else frozenset()
+        for ext in ids:
+            self._abandoned[(endpoint, ext)] = None
+        while len(self._abandoned) > _ABANDONED_KEPT:
+            del self._abandoned[next(iter(self._abandoned))]
+        if ids:
+            self._step = None
 
     def _reset_session(self, ep: _Endpoint) -> None:
         if ep.session.state != "disconnected":

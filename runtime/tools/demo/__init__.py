@@ -69,8 +69,9 @@ Injections and what they predict (the exit code is 0 only when the outcome match
   single prompts, submitted after the restart, succeed.
 * ``metaserver-down``: Decode posts its rendezvous through a relay that resets its first
   connections, then forwards (``relay.py``); the POSTs are retried (F1), all succeed.
-* ``slow-reader``: Decode rank 0 reads the victim's layer only after Prefill's reply timeout
-  and the request deadline: both sides fail exactly the victim's step, nothing hangs.
+* ``slow-reader``: Decode rank 0's read of the victim's layer ends after Prefill's reply
+  timeout: Prefill gives up on the reader (S5) and never reports the step final there (S7);
+  the late read fails its budget (S6), so exactly the victim's step fails, nothing hangs.
 * ``late-destinations``: the victim's rendezvous goes out before its destinations are
   registered; they are registered once a READY waits for them (C1); all succeed.
 

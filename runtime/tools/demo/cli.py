@@ -56,6 +56,9 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
                                           "reader (S5)"),
                        ("destination-wait", "Decode: how long a READY waits for its "
                                             "request's destinations (C1)"),
+                       ("read-budget", "Decode: a read finishing later than this after its "
+                                       "READY arrived fails (S6); between --destination-wait "
+                                       "and --reply-timeout"),
                        ("request-deadline", "Decode: every contributor final by then, else "
                                             "the request fails (R1)"),
                        ("tp-timeout", "Decode: one TP-group collective (R2)")):
@@ -88,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         chunk_tokens=args.chunk_tokens, max_tokens=args.max_tokens, host=args.host,
         seed=args.seed, progress=not (args.json or args.quiet), tp_group=args.tp_group,
         verbose=args.verbose, reply_timeout=args.reply_timeout,
-        destination_wait=args.destination_wait, request_deadline=args.request_deadline,
+        destination_wait=args.destination_wait, read_budget=args.read_budget,
+        request_deadline=args.request_deadline,
         tp_timeout=args.tp_timeout)
 
 

@@ -33,7 +33,7 @@ from sfa_rd2h.spec.topology import decode_rank_port
 # ---------------------------------------------------------------------------- Decode
 
 AGREEMENT_CLOSE_S = 2.0  # shutdown: the agreement thread is joined within this
-SLOW_MARGIN_S = 0.5  # slow-reader: how far past the longer timeout the slow read ends
+SLOW_MARGIN_S = 0.5  # slow-reader: how far past Prefill's reply timeout the slow read ends
 LATE_POLL_S = 0.005  # late-destinations: between two looks at the READYs waiting (C1)
 
 
@@ -46,7 +46,7 @@ class _FaultyReads(TransferEngine):
     * ``raise`` (engine-failure): the engine raises, and keeps raising on every later read,
       as a broken engine would; the runtime hands the exception to the core (F2).
     * ``slow`` (slow-reader): the read starts only after ``delay`` seconds, longer than
-      Prefill's reply timeout.
+      Prefill's reply timeout and this rank's read budget.
     * ``crash`` (kill-decode, restart-decode): the process is SIGKILLed mid-read.
     """
 
@@ -278,9 +278,10 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         injector = None
         fault = _READ_FAULTS.get(cfg.inject)
         if fault is not None and rank == _fault_rank(plan) and incarnation == 0:
-            # slow-reader: the read outlasts both Prefill's reply timeout and this request's
-            # deadline, so both sides must give up on it, and nothing may hang on it.
-            slow = max(times["reply_timeout"], times["request_deadline"]) + SLOW_MARGIN_S
+            # slow-reader: the read ends after Prefill's reply timeout (which is past this
+            # rank's read budget) and before the request deadline: Prefill gives up on the
+            # reader and may reuse the slot (S5), so the late read must fail (S6).
+            slow = times["reply_timeout"] + SLOW_MARGIN_S
             engine = injector = _FaultyReads(engine, fault, delay=slow,
                                              on_crash=lambda: crash(tracer))
         mem = _DecodeMemory(plan, rank, engine)
@@ -288,6 +289,7 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         if injector is not None and fault == "crash":
             injector.set_victim(*mem.layer_ranges(cfg.inject_layer))
         core = DecodeCore(rank, cfg.d_tp, mem.dest, destination_wait=times["destination_wait"],
+                          read_budget=times["read_budget"],
                           request_deadline=times["request_deadline"], observer=tracer)
         group: TpGroup
         if cfg.d_tp > 1 and cfg.tp_group == "gloo":

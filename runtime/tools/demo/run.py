@@ -711,14 +711,15 @@ def _predict(cfg: DemoConfig, work: Workload, plan: Plan, final: dict[str, bool]
     if cfg.inject == "slow-reader":
         steps = next((r["steps"] for r in prefill if r["rank"] == 0), [])
         predicted = sorted({e for s in steps if work.victim in s for e in s})
-        at_deadline = all(str(r["errors"].get(ext, "")).startswith("R1")
-                          for r in decode for ext in predicted)
-        return (f"decode0 reads layer {cfg.inject_layer} of {work.victim}'s step only after "
-                f"Prefill's reply timeout and the request deadline passed: Prefill declares "
-                f"the reader lost (S5) and its compute path raises (S4); Decode fails exactly "
-                f"that step's requests ({predicted}) at their deadline (R1), once the read "
-                f"in flight ended (R5); the others succeed byte-exact",
-                bool(predicted) and failed == predicted and at_deadline and gate_errors > 0)
+        # S6 refuses the late read; F2 if Prefill, done with the rest, exited before it ended
+        late = all(str(r["errors"].get(ext, "")).startswith(("S6", "F2"))
+                   for r in decode for ext in predicted)
+        return (f"decode0's read of layer {cfg.inject_layer} of {work.victim}'s step ends "
+                f"after Prefill's reply timeout: Prefill declares the reader lost (S5), its "
+                f"compute path raises (S4) and it never reports that step final there (S7); "
+                f"Decode refuses the late read (S6) and fails exactly that step's requests "
+                f"({predicted}); the others succeed byte-exact",
+                bool(predicted) and failed == predicted and late and gate_errors > 0)
     if cfg.inject == "late-destinations":
         waited = sum(r["late_waited"] for r in decode)
         return (f"{work.victim}'s rendezvous goes out before its destinations are "

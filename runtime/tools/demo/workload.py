@@ -13,6 +13,7 @@ from sfa_rd2h.runtime.engines import (
     ENGINE_NAMES,
 )
 from sfa_rd2h.spec.errors import ProtocolError
+from sfa_rd2h.spec.timing import check_timeouts
 from sfa_rd2h.spec.topology import decode_base_port, tp_mapping
 
 INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv", "engine-failure",
@@ -22,10 +23,11 @@ INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv", "engine-fai
 CRASHES = ("kill-prefill", "kill-decode", "restart-decode")
 #: The protocol timeouts a demo run uses, in seconds, when not given (None): where a fault's
 #: prediction waits for one of them, the run must end in seconds, not at ``--timeout``.
-#: ``reply_timeout`` (Prefill, S5), ``destination_wait`` (Decode, C1), ``request_deadline``
-#: (Decode, R1) and ``tp_timeout`` (one TP-group collective, R2).
-FAULT_TIMEOUTS = {"reply_timeout": 2.0, "destination_wait": 1.0, "request_deadline": 4.0,
-                  "tp_timeout": 2.0}
+#: ``reply_timeout`` (Prefill, S5), ``destination_wait`` (Decode, C1), ``read_budget``
+#: (Decode, S6), ``request_deadline`` (Decode, R1) and ``tp_timeout`` (one TP-group
+#: collective, R2).
+FAULT_TIMEOUTS = {"reply_timeout": 2.0, "destination_wait": 1.0, "read_budget": 1.5,
+                  "request_deadline": 4.0, "tp_timeout": 2.0}
 #: Without a fault: the overall ``--timeout`` bounds them, and none exceeds this cap.
 TIMEOUT_CAP_S = 30.0
 #: The demo's long polls of the proxy's work queues (one HTTP request each).
@@ -110,6 +112,7 @@ class DemoConfig:
     # Protocol timeouts (seconds); None: see ``timeouts()``.
     reply_timeout: float | None = None
     destination_wait: float | None = None
+    read_budget: float | None = None
     request_deadline: float | None = None
     tp_timeout: float | None = None
 
@@ -119,8 +122,10 @@ class DemoConfig:
         at ``TIMEOUT_CAP_S`` for the waits that only detect a lost peer."""
         fault = self.inject not in ("none", "stale-kv")
         base = dict(FAULT_TIMEOUTS) if fault else {
+            # destination_wait < read_budget < reply_timeout (S6)
             "reply_timeout": min(TIMEOUT_CAP_S, self.timeout),
-            "destination_wait": min(TIMEOUT_CAP_S, self.timeout) / 2,  # < reply_timeout
+            "destination_wait": min(TIMEOUT_CAP_S, self.timeout) / 4,
+            "read_budget": min(TIMEOUT_CAP_S, self.timeout) / 2,
             "request_deadline": self.timeout, "tp_timeout": self.timeout}
         return {k: v if (v := getattr(self, k)) is not None else base[k] for k in base}
 
@@ -161,11 +166,13 @@ class DemoConfig:
             if not value > 0:
                 raise DemoConfigError(f"--{name.replace('_', '-')} must be > 0")
         times = self.timeouts()
-        if times["reply_timeout"] <= times["destination_wait"]:
-            raise DemoConfigError(
-                f"--reply-timeout {times['reply_timeout']:g} must exceed --destination-wait "
-                f"{times['destination_wait']:g}: Decode answers a READY waiting for its "
-                f"destinations (C1) before Prefill gives up on the reader (S5, S3)")
+        try:
+            check_timeouts(destination_wait=times["destination_wait"],
+                           read_budget=times["read_budget"],
+                           reply_timeout=times["reply_timeout"])
+        except ProtocolError as exc:
+            raise DemoConfigError(f"{exc} (--destination-wait, --read-budget, "
+                                  "--reply-timeout)") from None
         if self.inject == "kill-prefill" and self.p_tp < 2:
             raise DemoConfigError("kill-prefill needs --p-tp >= 2: Prefill rank 0 schedules "
                                   "and must survive")
