@@ -883,13 +883,13 @@ def test_report_finished_posts_to_the_finished_path_of_the_base_url() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen(4)
         listener.settimeout(WAIT)
-        t = threading.Thread(target=serve, args=(listener, 3))
+        t = threading.Thread(target=serve, args=(listener, 4))
         t.start()
         base = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        for url in (base, base + "/", base + "//"):
+        for url in (base, base + "/", base + "//", base + "/pX/"):
             report_finished(url, "r", ok=True, role="decode")
         t.join(WAIT)
-    assert lines == [b"POST /v1/finished HTTP/1.1"] * 3
+    assert lines == [b"POST /v1/finished HTTP/1.1"] * 3 + [b"POST /pX/v1/finished HTTP/1.1"]
 
 
 # --------------------------------------------------------------------------- clients, raw
@@ -933,14 +933,14 @@ def test_fetch_work_asks_with_a_bare_get_and_refuses_what_is_not_a_list() -> Non
     server = _OneShotServer(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}")
     try:
         with pytest.raises(ProxyRequestError) as info:
-            fetch_work(server.url + "/", "prefill", "p 0", timeout=0.5)
+            fetch_work(server.url + "/X/", "prefill", "p 0", timeout=0.5)
     finally:
         server.close()
-    url = f"{server.url}/v1/prefill_work?instance=p+0&timeout=0.5"
+    url = f"{server.url}/X/v1/prefill_work?instance=p+0&timeout=0.5"
     assert (info.value.url, info.value.status) == (url, 200)
     assert str(info.value) == f"{url}: HTTP 200: expected a JSON list, got dict"
     [request] = server.requests
-    assert request.startswith(b"GET /v1/prefill_work?instance=p+0&timeout=0.5 HTTP/1.1\r\n")
+    assert request.startswith(b"GET /X/v1/prefill_work?instance=p+0&timeout=0.5 HTTP/1.1\r\n")
     assert b"content-length" not in request.lower()
     with pytest.raises(ValueError) as info2:
         fetch_work(server.url, "judge", "x")
@@ -1033,3 +1033,22 @@ def test_a_body_is_read_by_its_content_length_up_to_the_limit(
             assert (resp.status, json.loads(resp.read())) == (status, {"error": error})
         assert _raw(proxy.url, "POST", "/v1/nowhere", b"{}") == (
             404, {"error": "no such endpoint: POST /v1/nowhere"})
+
+
+def test_a_cut_client_is_a_debug_line_and_a_handler_bug_an_error(
+        proxy: ProxyServer, caplog: pytest.LogCaptureFixture) -> None:
+    """socketserver's handle_error hook: a client cut by its deadline or by close() (the
+    handler's write fails with an OSError) is logged at debug level with its traceback;
+    anything else is a logged error."""
+    caplog.set_level(logging.DEBUG, logger=metaserver.__name__)
+    for exc in (BrokenPipeError("cut"), KeyError("bug")):
+        try:
+            raise exc
+        except Exception:  # noqa: BLE001 - handle_error reads the exception being handled
+            proxy._server.handle_error(None, ("127.0.0.9", 4242))
+    cut, bug = caplog.records
+    assert (cut.levelno, cut.getMessage()) == (
+        logging.DEBUG, "metaserver: client ('127.0.0.9', 4242) cut")
+    assert cut.exc_info is not None and cut.exc_info[0] is BrokenPipeError
+    assert (bug.levelno, bug.getMessage()) == (
+        logging.ERROR, "metaserver: handler for ('127.0.0.9', 4242) failed")
