@@ -14,6 +14,9 @@ from sfa_rd2h.spec.errors import ProtocolError
 
 #: Prefill: a READY unanswered this long declares its reader lost (S5).
 REPLY_TIMEOUT_S = 60.0
+#: Prefill: an MF_META unacknowledged this long declares the reader lost (S5, W1); far
+#: below ``reply_timeout``, so a hung Decode costs each new connection seconds, not minutes.
+HANDSHAKE_TIMEOUT_S = 5.0
 #: Decode: a read finishing later than this after its READY arrived fails (S6).
 READ_BUDGET_S = 30.0
 #: Decode: how long a READY waits for its request's destinations (C1).

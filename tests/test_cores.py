@@ -518,3 +518,19 @@ def test_a_replayed_final_ready_reads_nothing_again():  # R4, S1
     assert not any(isinstance(a, IssueRead) for a in replay)
     assert sends(replay) == [wire.encode(wire.ReadDone(1))]  # still one reply per READY (S3)
     assert d.requests["r1"].status.state == "registered"  # and it advanced nothing (R4)
+
+
+def test_an_unacknowledged_handshake_gives_up_in_seconds():  # S5, W1 (hung Decode)
+    p = PrefillCore(0, tp_mapping(1, 1), "10.0.0.1:1000", LAYERS, block_size=4,
+                    reply_timeout=60.0, handshake_timeout=5.0)
+    p.add_request("r1", PARAMS, [5], [1])
+    p.schedule_chunk("r1", 4, final=True)
+    p.begin_layer(0, 100.0)
+    [meta] = sends(p.layer_landed(0, 100.0))  # the READY waits for the ack
+    assert p.next_deadline() == 105.0
+    assert p.tick(104.9) == []
+    [gone] = p.tick(105.0)
+    assert gone == Disconnect("10.0.0.2:30000", "MF_META not acknowledged within 5.0s")
+    with pytest.raises(LayerSendError, match="S5: MF_META not acknowledged"):
+        p.layer_writable(0)
+    assert p.next_deadline() is None  # nothing is held any more

@@ -19,6 +19,7 @@ times in seconds):
 | `indexer_kv_group` | `None` | KV-cache group holding the indexer, if the model has one (T3) |
 | `metaserver` | `None` | D: rendezvous URL when a request's `kv_transfer_params` has none (C1) |
 | `reply_timeout` | `60.0` | P: a READY unanswered this long declares its reader lost (S5) |
+| `handshake_timeout` | `5.0` | P: an MF_META unacknowledged this long loses its reader (S5, W1) |
 | `layer_send_timeout` | `120.0` | P: longest wait for a slot's readers (S1); > `reply_timeout` |
 | `destination_wait` | `10.0` | D: how long a READY waits for its request's destinations (C1) |
 | `read_budget` | `30.0` | D: a read later than this after its READY arrived fails (S6) |
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "indexer_kv_group": None,
     "metaserver": None,
     "reply_timeout": 60.0,
+    "handshake_timeout": 5.0,
     "layer_send_timeout": 120.0,
     "destination_wait": 10.0,
     "read_budget": 30.0,
@@ -72,8 +74,8 @@ DEFAULTS: dict[str, Any] = {
     "close_timeout": 5.0,
     "trace_dir": None,
 }
-_TIMEOUTS = ("reply_timeout", "layer_send_timeout", "destination_wait", "read_budget",
-             "request_deadline", "metaserver_timeout", "close_timeout")
+_TIMEOUTS = ("reply_timeout", "handshake_timeout", "layer_send_timeout", "destination_wait",
+             "read_budget", "request_deadline", "metaserver_timeout", "close_timeout")
 # Keys other connectors (and upstream's SFA connector) put in the same dict; accepted, unused.
 _FOREIGN = frozenset({"use_layerwise", "connectors"})
 
@@ -108,6 +110,7 @@ class Rd2hConfig:
     indexer_kv_group: int | None
     metaserver: str | None
     reply_timeout: float
+    handshake_timeout: float
     layer_send_timeout: float
     destination_wait: float
     read_budget: float

@@ -325,6 +325,7 @@ class ProducerWorker:
                 self.rank, self.cfg.mapping, engine.session_id,
                 {name: layer_meta(t) for name, t in layers.items()},
                 block_size=self.block_size, reply_timeout=self.cfg.reply_timeout,
+                handshake_timeout=self.cfg.handshake_timeout,
                 observer=_observers(timer, self.tracer))
             for i in reversed(range(len(layers))):
                 timer.layer_of.update({g.key: i for g in core.gates_of(i)})

@@ -19,7 +19,7 @@ import numpy as np
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.params import RemoteDecode, parse_remote_decode
-from sfa_rd2h.spec.timing import REPLY_TIMEOUT_S, check_timeouts
+from sfa_rd2h.spec.timing import HANDSHAKE_TIMEOUT_S, REPLY_TIMEOUT_S, check_timeouts
 from sfa_rd2h.spec.topology import TpMapping
 from sfa_rd2h.statemachines.cores.actions import Action, Disconnect, Send
 from sfa_rd2h.statemachines.engine import Driver, Observer
@@ -71,6 +71,7 @@ _ABANDONED_KEPT = 65536
 class _Endpoint:
     session: PeerSession
     held: list[_Publication] = field(default_factory=list)
+    handshake_since: float = 0.0  # when the MF_META now awaiting its ack was sent
 
 
 def slot_keys(meta: wire.LayerMeta) -> tuple[str, str | None]:
@@ -92,6 +93,7 @@ class PrefillCore:
         *,
         block_size: int = 128,
         reply_timeout: float = REPLY_TIMEOUT_S,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
         observer: Observer | None = None,
     ) -> None:
         self.p_rank = p_rank
@@ -101,7 +103,9 @@ class PrefillCore:
         self.layer_names: tuple[str, ...] = tuple(layers)
         self.block_size = block_size
         check_timeouts(reply_timeout=reply_timeout)
+        check_timeouts(reply_timeout=handshake_timeout)  # positive, like any timeout
         self.reply_timeout = reply_timeout
+        self.handshake_timeout = handshake_timeout
         # The versioned 6-field form: the fork checks it, upstream reads its first 3 fields.
         self._meta = wire.MfMeta(session, dict(layers), wire.PROTOCOL_VERSION)
         self._meta_payload = wire.encode(self._meta)
@@ -254,7 +258,7 @@ class PrefillCore:
             self._published_at[g.key] = now
         actions: list[Action] = []
         for endpoint, payload in by_endpoint.items():
-            actions += self._send_ready(endpoint, _Publication(layer_idx, payload))
+            actions += self._send_ready(endpoint, _Publication(layer_idx, payload), now)
         return actions
 
     def _step_frames(self) -> dict[str, tuple[wire.ReadyFrames, tuple[str, ...]]]:
@@ -323,7 +327,7 @@ class PrefillCore:
             ep = self.endpoints[endpoint] = _Endpoint(self._sessions.start(PeerSession(endpoint)))
         return ep
 
-    def _send_ready(self, endpoint: str, pub: _Publication) -> list[Action]:
+    def _send_ready(self, endpoint: str, pub: _Publication, now: float) -> list[Action]:
         ep = self._endpoint(endpoint)
         state = ep.session.state
         if state == "established":
@@ -334,6 +338,7 @@ class PrefillCore:
         ep.held.append(pub)
         if state == "disconnected":
             self._sessions.fire(ep.session, "connect")
+            ep.handshake_since = now
             return [Send(endpoint, self._meta_payload)]
         return []
 
@@ -435,17 +440,23 @@ class PrefillCore:
 
     def tick(self, now: float) -> list[Action]:
         """Declare lost every endpoint that left a READY unanswered for ``reply_timeout``,
-        and have its connection replaced (S5: a late reply must not count later)."""
+        or its MF_META unacknowledged for ``handshake_timeout`` (a hung Decode then costs a
+        new connection seconds), and have its connection replaced (S5: a late reply must not
+        count later)."""
         late = {
-            ep
+            ep: f"no reply within {self.reply_timeout}s"
             for g in self.gates.values()
             if g.state == "awaiting_replies"
             and now - self._published_at[g.key] >= self.reply_timeout
             for ep in g.pending
         }
+        for name, ep in self.endpoints.items():
+            if ep.held and now - ep.handshake_since >= self.handshake_timeout:
+                late.setdefault(name, f"MF_META not acknowledged within "
+                                      f"{self.handshake_timeout}s")
         actions: list[Action] = []
         for endpoint in sorted(late):
-            reason = f"no reply within {self.reply_timeout}s"
+            reason = late[endpoint]
             self.peer_gone(endpoint, now, reason)
             actions += self._disconnect(endpoint, reason)
         return actions
@@ -457,4 +468,6 @@ class PrefillCore:
     def next_deadline(self) -> float | None:
         times = [self._published_at[g.key] + self.reply_timeout
                  for g in self.gates.values() if g.state == "awaiting_replies"]
+        times += [ep.handshake_since + self.handshake_timeout
+                  for ep in self.endpoints.values() if ep.held]
         return min(times, default=None)
