@@ -166,9 +166,10 @@ def check_r3_independent(gate_states: Iterable[str]) -> None:
         _fail("R3", f"slot gates still {stuck} with nothing in flight")
 
 
-@judges("R5", "L1", "T3", "F2")
+@judges("R5", "L1", "T3", "F2", "S7")
 def check_data(ext_req_id: str, what: str, got: np.ndarray, want: np.ndarray) -> None:
-    """R1/L1/C4/F2: a request that succeeded holds exactly the Prefill bytes."""
+    """R1/L1/C4/F2/S7: a request that succeeded holds exactly the Prefill bytes (a layer
+    Decode never read, because Prefill gave up on it, shows here too)."""
     if got.shape != want.shape or not np.array_equal(got, want):
         bad = "size differs" if got.shape != want.shape else \
             f"{int(np.count_nonzero(got != want))} bytes differ"
