@@ -1052,3 +1052,84 @@ def test_a_cut_client_is_a_debug_line_and_a_handler_bug_an_error(
     assert cut.exc_info is not None and cut.exc_info[0] is BrokenPipeError
     assert (bug.levelno, bug.getMessage()) == (
         logging.ERROR, "metaserver: handler for ('127.0.0.9', 4242) failed")
+
+
+def _refusal(**changes: object) -> str:
+    obj = _rdv("req-1").to_json()
+    for key, value in changes.items():
+        if value is _ABSENT:
+            obj.pop(key, None)
+        else:
+            obj[key] = value
+    with pytest.raises(RendezvousError) as info:
+        Rendezvous.from_json(obj)
+    return str(info.value)
+
+
+_ABSENT = object()
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"request_id": 5}, "'request_id': expected a string, got int"),
+    ({"request_id": "r" * (MAX_ID_LEN + 1)},
+     f"'request_id': length {MAX_ID_LEN + 1} is outside 1..{MAX_ID_LEN}"),
+    ({"remote_host": "a b"}, "'remote_host': 'a b' contains whitespace"),
+    ({"remote_host": "0.0.0.0"}, "'remote_host': '0.0.0.0' is a wildcard, not a reachable host"),
+    ({"remote_port": "1"}, "'remote_port': expected an integer, got str"),
+    ({"remote_port": 0}, "'remote_port': 0 is outside 1..65535"),
+    ({"remote_port": 65536, "remote_tp_size": 1}, "'remote_port': 65536 is outside 1..65535"),
+    ({"remote_port": 1, "remote_tp_size": 65536}, "'remote_tp_size': 65536 is outside 1..65535"),
+    ({"remote_port": 65000, "remote_tp_size": 600},
+     "'remote_port': base port 65000 + tp 600 - 1 = 65599 exceeds 65535 (P2)"),
+    ({"remote_pcp_size": 2}, "'remote_pcp_size': 2 is outside 1..1"),
+    ({"remote_dcp_size": 2}, "'remote_dcp_size': 2 is outside 1..1"),
+    ({"remote_cached_tokens": 2**63}, f"'remote_cached_tokens': {2**63} is outside "
+                                      f"0..{2**63 - 1}"),
+    ({"do_remote_prefill": True},
+     "'do_remote_prefill': must be false in a rendezvous (C1: Decode clears it)"),
+    ({"do_remote_decode": False},
+     "'do_remote_decode': must be true in a rendezvous (Prefill must push to Decode)"),
+    ({"do_remote_decode": 1}, "'do_remote_decode': expected a boolean, got int"),
+])
+def test_a_refused_rendezvous_names_the_field_and_the_reason(changes: dict,
+                                                             message: str) -> None:
+    assert _refusal(**changes) == f"rendezvous field {message}"
+
+
+def test_a_rendezvous_at_its_limits_is_accepted_and_optional_fields_default() -> None:
+    obj = _rdv("r" * MAX_ID_LEN).to_json()
+    obj.update(remote_port=1, remote_tp_size=1, remote_cached_tokens=2**63 - 1)
+    for key in ("remote_pcp_size", "remote_dcp_size", "do_remote_prefill", "do_remote_decode"):
+        obj.pop(key, None)
+    rdv = Rendezvous.from_json(obj)
+    assert (rdv.request_id, rdv.remote_port, rdv.remote_cached_tokens) == (
+        "r" * MAX_ID_LEN, 1, 2**63 - 1)
+    assert (rdv.remote_pcp_size, rdv.remote_dcp_size) == (1, 1)
+    assert (rdv.do_remote_prefill, rdv.do_remote_decode) == (False, True)
+    with pytest.raises(RendezvousError) as info:
+        Rendezvous.from_json([obj])
+    assert str(info.value) == "rendezvous field '<body>': expected a JSON object, got list"
+
+
+def test_a_long_poll_waits_only_when_asked_to(proxy: ProxyServer) -> None:
+    """Without a timeout a poll answers at once; with one (under a second too) it waits,
+    and work queued while it waits is its answer. Bad query parameters are 400s."""
+    cond = proxy._cond
+    waits: list[float | None] = []
+
+    def wait(timeout: float | None = None) -> bool:
+        # The poll holds the (re-entrant) lock here: work submitted now is queued while
+        # it waits, as a submit from another thread would be, and wakes it.
+        waits.append(timeout)
+        proxy.submit("a", "d0", "p0", job_id=f"j{len(waits)}")
+        return True
+
+    cond.wait = wait  # type: ignore[method-assign]
+    assert _raw(proxy.url, "GET", "/v1/decode_work?instance=d9") == (200, [])
+    assert waits == []
+    status, items = _raw(proxy.url, "GET", "/v1/decode_work?instance=d0&timeout=0.5")
+    assert status == 200 and [i["request_id"] for i in items] == ["j1-0"] and len(waits) == 1
+    assert _raw(proxy.url, "GET", "/v1/decode_work?timeout=0") == (
+        400, {"error": "query parameter 'instance' is required"})
+    assert _raw(proxy.url, "GET", "/v1/decode_work?instance=d0&timeout=-1") == (
+        400, {"error": "query parameter 'timeout': -1.0 is not a finite number >= 0"})
