@@ -123,6 +123,10 @@ def test_stage_lays_out_the_package_under_its_import_name(tmp_path: Path) -> Non
                    mutation.TEST_FILES, fresh=False)
     assert not copied.exists()
     assert mutated.read_text() == "mutated"
+    # a plain copy left by a run without this target (its results kept) goes too
+    mutated.write_bytes((REPO / "runtime/tp_group.py").read_bytes())
+    mutation.stage(REPO, stage, ["runtime/tp_group.py"], mutation.TEST_FILES, fresh=False)
+    assert not mutated.exists() and mutated.with_name("tp_group.py.meta").exists()
 
 
 def test_stats_are_collected_anew_when_a_target_is_added(tmp_path: Path) -> None:

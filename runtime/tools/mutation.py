@@ -314,11 +314,14 @@ def _refresh_unmutated(pkg: Path, mutated_pkg: Path, targets: set[str]) -> None:
     for src in pkg.rglob("*.py"):
         rel = src.relative_to(pkg)
         if f"{PACKAGE}/{rel.as_posix()}" in targets:
-            # mutmut regenerates it when the source is newer; but a file it only copied in
-            # an earlier run (not a target then) is newer than its source and has no
-            # results: mutmut would take it as mutated and never mutate it.
+            # mutmut regenerates it when the source is newer; but a plain copy it made in
+            # an earlier run where the file was not a target (it copies every file it does
+            # not mutate, every run) is newer than its source: mutmut would take it as
+            # mutated and run its mutants against unmutated code. Dropped, it is mutated
+            # again; results of unchanged functions are kept (mutmut matches their hashes).
             dst = mutated_pkg / rel
-            if dst.exists() and not dst.with_name(dst.name + ".meta").exists():
+            if dst.exists() and (not dst.with_name(dst.name + ".meta").exists()
+                                 or dst.read_bytes() == src.read_bytes()):
                 dst.unlink()
             continue
         dst = mutated_pkg / rel
