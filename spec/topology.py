@@ -42,9 +42,10 @@ def _int(value: Any, name: str, rule: str, minimum: int = 0) -> int:
     numpy integers are accepted (ids and ranks often come out of arrays); bools are not,
     because ``True`` silently acting as ``1`` would hide a caller passing the wrong field.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TopologyError(f"{rule}: {name} must be an int, got {value!r}")
-    value = int(value)
+    if type(value) is not int:  # plain ints (the per-entry hot path) skip the type tests
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TopologyError(f"{rule}: {name} must be an int, got {value!r}")
+        value = int(value)
     if value < minimum:
         raise TopologyError(f"{rule}: {name}={value} must be >= {minimum}")
     return value
@@ -218,6 +219,11 @@ def split_bounds(start: Any, stop: Any, idx: Any, parts: Any) -> tuple[Any, Any]
     elementwise on numpy arrays as well as on ints; no validation (callers do that).
     """
     q, r = divmod(stop - start, parts)
+    if type(start) is int and type(stop) is int and type(idx) is int and type(parts) is int:
+        # Same formula on plain ints (Decode cuts every entry of every layer): np.minimum on
+        # Python scalars costs far more than the arithmetic around it.
+        lo = start + idx * q + (idx if idx < r else r)
+        return lo, lo + q + (idx < r)
     lo = start + idx * q + np.minimum(idx, r)
     hi = lo + q + (idx < r)
     if isinstance(lo, np.ndarray):

@@ -48,11 +48,13 @@ from __future__ import annotations
 
 import operator
 import reprlib
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from .errors import VersionMismatch, WireError
 
@@ -580,6 +582,22 @@ class ReadReq:
     main_dest_start: int = 0
     indexer_dest_start: int = 0
 
+    @classmethod
+    def _with_checked_ids(cls, ext_req_id: Any, main: tuple[int, ...],
+                          indexer: tuple[int, ...], main_dest_start: Any,
+                          indexer_dest_start: Any) -> ReadReq:
+        # The decoder's fast path: ``_ready_ids_ok`` has already proved every block id of
+        # the frame a plain int in range, in one C-level pass, so only the per-entry
+        # scalars are checked here (with the same checks and messages as __post_init__).
+        self = object.__new__(cls)
+        _set(self, "ext_req_id", _str(ext_req_id, "ext_req_id", MAX_ID_LEN))
+        _set(self, "p_main_block_ids", main)
+        _set(self, "p_indexer_block_ids", indexer)
+        _set(self, "main_dest_start", _int(main_dest_start, "main_dest_start", 0, MAX_BLOCK_ID))
+        _set(self, "indexer_dest_start",
+             _int(indexer_dest_start, "indexer_dest_start", 0, MAX_BLOCK_ID))
+        return self
+
     def __post_init__(self) -> None:
         _str(self.ext_req_id, "ext_req_id", MAX_ID_LEN)
         main = _int_tuple(
@@ -803,16 +821,70 @@ def _decode_mf_meta(f: list[Any]) -> MfMeta:
     return MfMeta(f[1], layers, f[3], None, f[4], f[5])
 
 
-def _decode_read_req(entry: Any) -> ReadReq:
+# Unsigned C longs: array("L") refuses, in C, every element that is not an int (floats,
+# strings, None, arrays, maps raise TypeError) and every negative or oversized int
+# (OverflowError). It lets bools through (bool is an int subclass), which is why
+# _ready_ids_ok looks at the types of the few ids that could be a bool (values 0 and 1).
+_ID_ARRAY = "L"
+_ID_DTYPE = np.dtype(f"u{array(_ID_ARRAY).itemsize}")
+
+
+def _ready_ids_ok(raw_reqs: list[Any]) -> bool:
+    """True when every entry of a decoded READY is well shaped and every block id in it is
+    a plain int in [0, MAX_BLOCK_ID], proved in one C-level pass over all ids instead of a
+    type set, min and max per list. False says nothing is wrong, only that the exact
+    per-entry path must run: it finds the first offence and words the error as always."""
+    buf = array(_ID_ARRAY)
+    extend = buf.extend
+    lists: list[list[Any]] = []
+    try:
+        for entry in raw_reqs:
+            if type(entry) is not list:
+                return False
+            n = len(entry)
+            if n == 2:
+                ids = (entry[1],)
+            elif n >= 5:
+                ids = (entry[1], entry[2])
+            else:
+                return False
+            for block_ids in ids:
+                if type(block_ids) is not list or len(block_ids) > MAX_BLOCKS_PER_ENTRY:
+                    return False
+                extend(block_ids)
+                lists.append(block_ids)
+    except (TypeError, OverflowError):
+        return False
+    if not buf:
+        return True
+    flat = np.frombuffer(buf, dtype=_ID_DTYPE)
+    if int(flat.max()) > MAX_BLOCK_ID:
+        return False
+    if (flat <= 1).any():
+        # A True or False went into the array as 1 or 0; only lists holding such values can
+        # hide one, so only those get the exact per-element type check.
+        for block_ids in lists:
+            if (0 in block_ids or 1 in block_ids) and set(map(type, block_ids)) != _INT_ONLY:
+                return False
+    return True
+
+
+def _decode_read_req(entry: Any, ids_checked: bool = False) -> ReadReq:
     if type(entry) is not list:
         raise WireError(f"expected an array, got {_show(entry)}")
     n = len(entry)
     if n == 2:
         # Legacy entry (ext_req_id, block_ids): one list for main and indexer, offsets 0.
+        if ids_checked:
+            ids = tuple(entry[1])
+            return ReadReq._with_checked_ids(entry[0], ids, ids, 0, 0)
         return ReadReq(entry[0], entry[1], entry[1], 0, 0)
     # 3 or 4 fields would leave a destination offset to guess; guessing 0 writes into the
     # wrong D blocks, so those shapes are refused (W5) instead of defaulted.
     _arity("read_req", entry, "2 (legacy) or at least 5", n >= 5)
+    if ids_checked:
+        return ReadReq._with_checked_ids(entry[0], tuple(entry[1]), tuple(entry[2]), entry[3],
+                                         entry[4])
     return ReadReq(entry[0], entry[1], entry[2], entry[3], entry[4])
 
 
@@ -830,10 +902,11 @@ def _decode_ready(f: list[Any]) -> ReadReadyBatch:
             f"read_ready_batch: read_reqs: {len(raw_reqs)} entries exceed the limit of "
             f"{MAX_ENTRIES}"
         )
+    ids_checked = _ready_ids_ok(raw_reqs)
     reqs = []
     for i, entry in enumerate(raw_reqs):
         try:
-            reqs.append(_decode_read_req(entry))
+            reqs.append(_decode_read_req(entry, ids_checked))
         except WireError as exc:
             raise WireError(f"read_ready_batch: read_reqs[{i}]: {exc}") from None
     done = f[4]

@@ -920,3 +920,38 @@ def test_encode_refuses_a_frame_over_max_frame_bytes() -> None:
     with pytest.raises(WireError, match=(
             r"encoded ReadReadyBatch is \d+ bytes, over MAX_FRAME_BYTES=67108864")):
         encode(too_big)
+
+
+# The decoder proves all block ids of a READY valid in one C-level pass and only falls back
+# to the per-list checks when that pass fails; the refusal must be the per-list one, word
+# for word, wherever the offending id sits (bools pass the C pass as 0/1 and are caught by
+# the type check the fast path runs on lists holding 0 or 1).
+@pytest.mark.parametrize(
+    "bad", [True, False, 1.5, -1, -2**63, 2**31, 2**64 - 1, "3", None, [1], b"1"])
+@pytest.mark.parametrize("field", [1, 2])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_fast_id_check_refuses_like_the_per_list_check(bad: Any, field: int,
+                                                       legacy: bool) -> None:
+    if legacy and field == 2:
+        pytest.skip("a legacy entry has one id list")
+    ids = [0, 1, 5, 7]
+    entries: list[list[Any]] = [["req-a", list(ids), list(ids), 0, 0] for _ in range(3)]
+    if legacy:
+        entries = [["req-a", list(ids)] for _ in range(3)]
+    entries[1][field][2] = bad
+    frame = msgpack.packb([wire.READ_READY_BATCH, 3, "layer", entries, [], 0, 1],
+                          use_bin_type=True)
+    name = "p_main_block_ids" if field == 1 else "p_indexer_block_ids"
+    with pytest.raises(WireError) as exc:
+        wire.decode(frame)
+    with pytest.raises(WireError) as exact:
+        args = (entries[1][0], entries[1][1], entries[1][1]) if legacy else tuple(entries[1])
+        ReadReq(*args)
+    assert str(exc.value) == f"read_ready_batch: read_reqs[1]: {exact.value}"
+    assert str(exact.value).startswith(f"{name}[2]: ")
+
+
+def test_fast_id_check_keeps_valid_zero_and_one_ids() -> None:
+    msg = ReadReadyBatch(2, "layer", (ReadReq("r", (0, 1, 2**31 - 1), (1, 0), 0, 0),
+                                      ReadReq("s", (4,), (4,))), (), 0, 1)
+    assert wire.decode(wire.encode(msg)) == msg
