@@ -472,3 +472,56 @@ def test_destination_address_overflow_is_refused_not_wrapped() -> None:
     assert len(plan_layer_reads(src, dst, [0], [0], [0], [0])) == 4
     with pytest.raises(LayoutError, match=r"indexer tensor 3 decode address overflows"):
         plan_layer_reads(src, dst, [0], [0], [0], [1])
+
+
+# ---------------------------------------------------------------- messages and limits
+
+
+def _layout_error(fn, *args, **kw) -> str:
+    with pytest.raises(LayoutError) as info:
+        fn(*args, **kw)
+    return str(info.value)
+
+
+def test_dest_layout_refusals_name_the_field_and_its_limits_are_accepted() -> None:
+    _, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    kw = dict(base_addrs=dst.base_addrs, block_bytes=dst.block_bytes,
+              num_blocks=dst.num_blocks, main_tensor_count=1, has_indexer=False,
+              has_scale=False)
+    assert _layout_error(DestLayout, **{**kw, "base_addrs": (True,)}) == (
+        "L1: decode base_addrs must be an int, got True")
+    assert _layout_error(DestLayout, **{**kw, "main_tensor_count": "1"}) == (
+        "L1: decode main_tensor_count must be an int, got '1'")
+    # base address 0 and no capacity at all are valid registrations
+    edge = DestLayout(**{**kw, "base_addrs": (0,), "num_blocks": (0,),
+                         "main_tensor_count": np.int64(1)})
+    assert (edge.base_addrs, edge.num_blocks) == ((0,), (0,))
+    assert type(edge.main_tensor_count) is int and edge.main_tensor_count == 1
+
+
+def test_range_and_id_refusals_say_which_ids() -> None:
+    assert _layout_error(validate_src_range, [1.5], None, "main") == (
+        "L1: main block ids must be integers, got dtype float64")
+    assert _layout_error(validate_src_range, [3], True, "main") == (
+        "L1: main source block count must be an int, got True")
+    src, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    assert _layout_error(plan_layer_reads, src, dst, [[0]], [0], [], []) == (
+        "L1: main prefill block ids must be 1-D, got shape (1, 1)")
+    assert _layout_error(plan_layer_reads, src, dst, [0], [[0]], [], []) == (
+        "L1: main decode block ids must be 1-D, got shape (1, 1)")
+    assert _layout_error(plan_layer_reads, src, dst, [-1], [0], [], []) == (
+        "L1: main source block id -1 is negative")
+
+
+def test_addresses_are_exact_to_the_last_of_64_bits() -> None:
+    """Descriptors are computed in uint64, exactly (a float would round addresses past
+    2**53), and the highest byte may be 2**64 - 1 but not one more, on either side."""
+    src, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    big = Meta((2**62 + 1,), (4096,), (1,), (0,), 1, False)
+    far = DestLayout((2**62 + 3,), (4096,), (64,), 1, False, False)
+    plan = plan_layer_reads(big, far, [5], [7], [], [])
+    assert (int(plan.peer_addrs[0]), int(plan.local_addrs[0])) == (
+        2**62 + 1 + 5 * 4096, 2**62 + 3 + 7 * 4096)
+    over = Meta((2**64 - 4095,), (4096,), (1,), (0,), 1, False)
+    assert _layout_error(plan_layer_reads, over, dst, [0], [0], [], []) == (
+        "L1: main tensor 0 prefill address overflows 64 bits")
