@@ -24,7 +24,7 @@ import bisect
 import enum
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -124,6 +124,67 @@ def descriptor_arrays(
     return local, peer, n
 
 
+# Batches up to this many descriptors are checked and copied as Python ints: at one to a few
+# descriptors (a 2 MiB layer read), the ~40 small numpy calls of the array path cost more
+# than the copy; beyond it the array path's per-call cost is amortised.
+SMALL_BATCH = 16
+
+
+def _small_column(values: Any, what: str) -> list[int] | None:
+    """One descriptor column as at most SMALL_BATCH Python ints, or None when it is longer;
+    refuses exactly what ``as_u64`` refuses, with the same messages."""
+    if isinstance(values, np.ndarray):
+        if values.size > SMALL_BATCH:
+            return None
+        kind = values.dtype.kind
+        if kind not in "ui":
+            raise BatchError(f"{what}: integer array expected, got dtype {values.dtype}")
+        out = values.ravel().tolist()
+        if kind == "i" and out and min(out) < 0:
+            raise BatchError(f"{what}: negative value")
+        return out
+    try:
+        seq = list(values)
+    except TypeError as exc:
+        raise BatchError(f"{what}: a sequence of integers expected") from exc
+    if len(seq) > SMALL_BATCH:
+        return None
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in seq):
+        raise BatchError(f"{what}: integers expected")
+    out = [int(v) for v in seq]
+    if out and (min(out) < 0 or max(out) > _U64_MAX):
+        raise BatchError(f"{what}: value outside 0..2**64-1")
+    return out
+
+
+def descriptor_lists(
+    local_addrs: Any, peer_addrs: Any, lengths: Any
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``descriptor_arrays`` for a batch of at most SMALL_BATCH descriptors, as lists of
+    Python ints; None when a column is longer (use ``descriptor_arrays``). The same checks,
+    the same ``BatchError`` messages, zero-length descriptors dropped likewise."""
+    local = _small_column(local_addrs, "local_addrs")
+    if local is None:
+        return None
+    peer = _small_column(peer_addrs, "peer_addrs")
+    n = _small_column(lengths, "lengths")
+    if peer is None or n is None:
+        return None
+    if not (len(local) == len(peer) == len(n)):
+        raise BatchError(
+            f"descriptor arrays differ in length: local={len(local)} peer={len(peer)} "
+            f"lengths={len(n)}"
+        )
+    if 0 in n:
+        keep = [i for i, ln in enumerate(n) if ln > 0]
+        local, peer, n = [local[i] for i in keep], [peer[i] for i in keep], [n[i] for i in keep]
+    # Python ints do not wrap; an end at or past 2**64 is one the array path sees wrap.
+    for a, b, ln in zip(local, peer, n, strict=True):
+        if a + ln > _U64_MAX or b + ln > _U64_MAX:
+            raise BatchError("a descriptor runs past the end of the address space")
+    return local, peer, n
+
+
 def coalesce(
     local: np.ndarray, peer: np.ndarray, n: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -148,6 +209,14 @@ class RangeTable:
 
     starts: np.ndarray
     ends: np.ndarray
+    # The same ranges as Python ints, for small batches (built once: tables change only when
+    # a region is registered or withdrawn, reads are hot).
+    start_list: list[int] = field(init=False, repr=False, compare=False)
+    end_list: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start_list", self.starts.tolist())
+        object.__setattr__(self, "end_list", self.ends.tolist())
 
     @classmethod
     def build(cls, addrs: Sequence[int], lengths: Sequence[int]) -> RangeTable:
@@ -170,6 +239,18 @@ class RangeTable:
         safe = np.maximum(idx, 0)
         ok = (idx >= 0) & (addrs + n <= self.ends[safe])
         return ok, safe
+
+    def first_outside(self, addrs: np.ndarray | list[int], n: np.ndarray | list[int]) -> int | None:
+        """The index of the first ``[addr, addr+n)`` no single range holds, or None."""
+        if isinstance(addrs, list):
+            starts, ends = self.start_list, self.end_list
+            for i, (a, ln) in enumerate(zip(addrs, n, strict=True)):
+                j = bisect.bisect_right(starts, a) - 1
+                if j < 0 or a + ln > ends[j]:
+                    return i
+            return None
+        ok, _ = self.locate(addrs, np.asarray(n))
+        return None if ok.all() else int(np.flatnonzero(~ok)[0])
 
     def covers(self, addrs: np.ndarray, n: np.ndarray) -> bool:
         ok, _ = self.locate(addrs, n)
@@ -312,16 +393,26 @@ class TransferEngine(abc.ABC):
         """The checks every engine makes before a batch: well-formed descriptors, a
         ``host:port`` session, destinations inside locally registered memory. Returns the
         descriptor arrays, or the failure code (already recorded in ``last_error``)."""
+        got = self._preflight_any(session, local_addrs, peer_addrs, lengths, regions, False)
+        return got  # type: ignore[return-value]  # small=False always yields arrays
+
+    def _preflight_any(
+        self, session: Any, local_addrs: Any, peer_addrs: Any, lengths: Any, regions: RegionSet,
+        small: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | tuple[list[int], list[int], list[int]] | int:
+        """``_preflight``; with ``small``, a batch of at most SMALL_BATCH descriptors comes
+        back as lists of Python ints (the same checks, made without numpy)."""
         try:
-            local, peer, n = descriptor_arrays(local_addrs, peer_addrs, lengths)
+            lists = descriptor_lists(local_addrs, peer_addrs, lengths) if small else None
+            local, peer, n = (lists if lists is not None
+                              else descriptor_arrays(local_addrs, peer_addrs, lengths))
         except BatchError as exc:
             return self._fail(TransferResult.BAD_DESCRIPTORS, str(exc))
         if parse_session(session) is None:
             return self._fail(TransferResult.BAD_SESSION, f"{session!r} is not host:port")
-        if local.size:
-            ok, _ = regions.table().locate(local, n)
-            if not ok.all():
-                i = int(np.flatnonzero(~ok)[0])
+        if len(local):
+            i = regions.table().first_outside(local, n)
+            if i is not None:
                 return self._fail(
                     TransferResult.LOCAL_RANGE,
                     f"descriptor {i}: destination [0x{int(local[i]):x}, +{int(n[i])}) is not "

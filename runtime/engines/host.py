@@ -315,8 +315,14 @@ def _syscall_groups(n: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
-def _copy(pid: int, dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[int, str]:
-    """Copy ``src[i]`` of process ``pid`` to our ``dst[i]``; returns (0, "") or (errno|-1, why)."""
+def _copy(pid: int, dst: np.ndarray | list[int], src: np.ndarray | list[int],
+          n: np.ndarray | list[int]) -> tuple[int, str]:
+    """Copy ``src[i]`` of process ``pid`` to our ``dst[i]``; returns (0, "") or (errno|-1, why).
+
+    Arrays come coalesced; lists (a small batch, as Python ints) are coalesced here."""
+    if isinstance(n, list):
+        return _copy_small(pid, dst, src, n)  # type: ignore[arg-type]
+    assert isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
     dst, src, n = _split_pieces(dst, src, n)
     if pid == os.getpid() and not _self_copy_works():
         # Last resort when seccomp filters the syscall: plain memmove per (coalesced) range.
@@ -336,6 +342,36 @@ def _copy(pid: int, dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[in
             return err, os.strerror(err)
         if got != want:
             return -1, f"short read: {got} of {want} bytes"
+    return 0, ""
+
+
+def _copy_small(pid: int, dst: list[int], src: list[int], n: list[int]) -> tuple[int, str]:
+    """``_copy`` for a few descriptors given as Python ints: coalesced and packed into one
+    iovec pair without numpy, one syscall. Pieces too large for one syscall take ``_copy``."""
+    d0, s0, n0 = [dst[0]], [src[0]], [n[0]]
+    for d, s, ln in zip(dst[1:], src[1:], n[1:], strict=True):
+        if d0[-1] + n0[-1] == d and s0[-1] + n0[-1] == s:  # contiguous on both sides
+            n0[-1] += ln
+        else:
+            d0.append(d)
+            s0.append(s)
+            n0.append(ln)
+    total = sum(n0)
+    if total >= _GROUP_BYTES or max(n0) > _PIECE_BYTES or (
+            pid == os.getpid() and not _self_copy_works()):
+        u64 = np.uint64
+        return _copy(pid, np.array(d0, dtype=u64), np.array(s0, dtype=u64),
+                     np.array(n0, dtype=u64))
+    k = len(n0)
+    local = (ctypes.c_uint64 * (2 * k))()
+    remote = (ctypes.c_uint64 * (2 * k))()
+    local[0::2], local[1::2] = d0, n0
+    remote[0::2], remote[1::2] = s0, n0
+    got, err = _readv(pid, ctypes.addressof(local), ctypes.addressof(remote), k)
+    if got < 0:
+        return err, os.strerror(err)
+    if got != total:
+        return -1, f"short read: {got} of {total} bytes"
     return 0, ""
 
 
@@ -799,12 +835,15 @@ class HostEngine(TransferEngine):
     ) -> int:
         if self._closed:
             return self._fail(TransferResult.CLOSED, "host engine is closed")
-        checked = self._preflight(session, local_addrs, peer_addrs, lengths, self._regions)
+        # Small batches (one layer's few coalesced runs) are checked as Python ints; the
+        # checks are the same ones, in the same order, as for arrays.
+        checked = self._preflight_any(session, local_addrs, peer_addrs, lengths, self._regions,
+                                      small=True)
         if isinstance(checked, int):
             return checked
         local, peer, n = checked
         target = parse_session(session)
-        if local.size == 0:
+        if len(local) == 0:
             return int(TransferResult.OK)
 
         # Validate against the cached view; a miss or a moved generation earns one refresh.
@@ -818,11 +857,10 @@ class HostEngine(TransferEngine):
                 self._forget(session)
                 return self._fail(*trouble)
             if trouble is None:
-                ok, _ = got.ranges.locate(peer, n)
-                if ok.all():
+                i = got.ranges.first_outside(peer, n)
+                if i is None:
                     view = got
                     break
-                i = int(np.flatnonzero(~ok)[0])
                 trouble = (
                     TransferResult.PEER_RANGE,
                     f"descriptor {i}: source [0x{int(peer[i]):x}, +{int(n[i])}) is not inside "
@@ -832,24 +870,29 @@ class HostEngine(TransferEngine):
                 return self._fail(*trouble)
         assert view is not None
 
-        if self.mode == "cma":
-            pid, src = view.pid, peer
+        if self.mode == "cma" and isinstance(local, list):
+            pid = view.pid
+            err, why = _copy(pid, local, peer, n)
         else:
-            idx = np.searchsorted(view.seg_bases, peer, side="right").astype(np.intp) - 1
-            safe = np.maximum(idx, 0)
-            inside = (idx >= 0) & (peer + n <= view.seg_ends[safe]) if view.seg_bases.size else (
-                np.zeros(peer.size, dtype=bool))
-            if not inside.all():
-                i = int(np.flatnonzero(~inside)[0])
-                return self._fail(
-                    TransferResult.PEER_RANGE,
-                    f"descriptor {i}: source 0x{int(peer[i]):x} is not in a shm segment of "
-                    f"{session} (shm mode reads only memory the peer allocate()d)",
-                )
-            pid, src = os.getpid(), view.seg_local[safe] + (peer - view.seg_bases[safe])
-
-        dst, src, n = coalesce(local, src, n)
-        err, why = _copy(pid, dst, src, n)
+            local, peer, n = (np.asarray(local, dtype=np.uint64), np.asarray(peer, dtype=np.uint64),
+                              np.asarray(n, dtype=np.uint64))
+            if self.mode == "cma":
+                pid, src = view.pid, peer
+            else:
+                idx = np.searchsorted(view.seg_bases, peer, side="right").astype(np.intp) - 1
+                safe = np.maximum(idx, 0)
+                inside = ((idx >= 0) & (peer + n <= view.seg_ends[safe])
+                          if view.seg_bases.size else np.zeros(peer.size, dtype=bool))
+                if not inside.all():
+                    i = int(np.flatnonzero(~inside)[0])
+                    return self._fail(
+                        TransferResult.PEER_RANGE,
+                        f"descriptor {i}: source 0x{int(peer[i]):x} is not in a shm segment of "
+                        f"{session} (shm mode reads only memory the peer allocate()d)",
+                    )
+                pid, src = os.getpid(), view.seg_local[safe] + (peer - view.seg_bases[safe])
+            dst, src, n = coalesce(local, src, n)
+            err, why = _copy(pid, dst, src, n)
         if err != 0:
             if err == errno.ESRCH:
                 self._forget(session)
