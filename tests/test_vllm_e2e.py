@@ -248,7 +248,10 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     # request (kv_load_failure_policy "fail") and the proxy forwards the status.
     error = results[0]
     assert isinstance(error, launch.CompletionError), (error, env.dep.log_tails())
-    assert error.status == 500, f"{error}\n{env.dep.log_tails()}"
+    assert error.status == 500, (
+        f"{error}\nfailing proxy's jobs: "
+        f"{launch.get_json(env.dep.proxies[FAILING].url + '/v1/proxy/jobs')}\n"
+        f"{env.dep.log_tails()}")
     bad = _mismatches(env, cases[1:], results[1:])
     assert not bad, "\n".join(bad) + "\n" + env.dep.log_tails()
 

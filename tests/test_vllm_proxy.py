@@ -88,6 +88,7 @@ def test_single_prompt_flows_decode_first(backends, proxy):
                                 remote_tp_size=1).to_json()
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
     assert jobs[-1]["outcome"] == "ok" and jobs[-1]["rendezvous_ms"] is not None
+    assert jobs[-1]["prefill_status"] == 200  # what Prefill answered, for a stuck request
 
 
 def test_prompt_list_reaches_prefill_once_after_every_rendezvous(backends, proxy):

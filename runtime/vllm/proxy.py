@@ -155,6 +155,7 @@ class _Job:
     reaper: asyncio.TimerHandle | None = None
     times: dict[str, float] = field(default_factory=dict)
     outcome: str = "running"
+    prefill_status: int | str | None = None  # Prefill's HTTP status, or why there was none
 
     @property
     def sub_ids(self) -> list[str]:
@@ -175,7 +176,8 @@ class _Job:
         return {"id": f"cmpl-{self.xrid}", "prompts": len(self.prompts),
                 "decode": self.decode, "prefill": self.prefill, "outcome": self.outcome,
                 "rendezvous_ms": ms("rendezvous"), "prefill_done_ms": ms("prefill_done"),
-                "decode_headers_ms": ms("decode_headers"), "done_ms": ms("done")}
+                "decode_headers_ms": ms("decode_headers"), "done_ms": ms("done"),
+                "prefill_status": self.prefill_status}
 
 
 class DisaggProxy:
@@ -635,10 +637,12 @@ class DisaggProxy:
             if remaining <= 0:
                 job.fail(504, f"prefill {job.prefill}: deadline passed", "GatewayTimeout")
                 return
+            job.prefill_status = f"attempt {attempt + 1} sent"
             try:
                 resp = await self._client.post(url, json=body, timeout=remaining,
                                                headers={"X-Request-Id": job.xrid})
             except httpx.ConnectError as exc:
+                job.prefill_status = f"{type(exc).__name__}: {exc}"
                 # Not connected means not delivered: retrying cannot run the prompt twice.
                 if attempt < self.prefill_retries:
                     log.info("proxy: prefill %s attempt %d: %s", url, attempt + 1, exc)
@@ -647,9 +651,11 @@ class DisaggProxy:
                 job.fail(502, f"prefill {job.prefill} unreachable: {exc}", "BadGateway")
                 return
             except httpx.HTTPError as exc:
+                job.prefill_status = f"{type(exc).__name__}: {exc}"
                 job.fail(502, f"prefill {job.prefill} failed: {type(exc).__name__}: {exc}",
                          "BadGateway")
                 return
+            job.prefill_status = resp.status_code
             if resp.status_code != 200:
                 job.fail(502, f"prefill {job.prefill} answered {resp.status_code}: "
                               f"{resp.text[:500]}", "BadGateway")
