@@ -1131,5 +1131,6 @@ def test_a_long_poll_waits_only_when_asked_to(proxy: ProxyServer) -> None:
     assert status == 200 and [i["request_id"] for i in items] == ["j1-0"] and len(waits) == 1
     assert _raw(proxy.url, "GET", "/v1/decode_work?timeout=0") == (
         400, {"error": "query parameter 'instance' is required"})
+    assert _raw(proxy.url, "GET", "/v1/status?job=nope") == (404, {"error": "unknown job 'nope'"})
     assert _raw(proxy.url, "GET", "/v1/decode_work?instance=d0&timeout=-1") == (
         400, {"error": "query parameter 'timeout': -1.0 is not a finite number >= 0"})
