@@ -525,3 +525,25 @@ def test_addresses_are_exact_to_the_last_of_64_bits() -> None:
     over = Meta((2**64 - 4095,), (4096,), (1,), (0,), 1, False)
     assert _layout_error(plan_layer_reads, over, dst, [0], [0], [], []) == (
         "L1: main tensor 0 prefill address overflows 64 bits")
+
+
+def test_source_layout_refusals_name_the_field() -> None:
+    _, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    assert _layout_error(validate_layer, Meta((1.5,), (4096,), (1,), (0,), 1, False), dst) == (
+        "L1: prefill base address must be an int, got 1.5")
+    assert _layout_error(validate_layer, Meta((0,), (4096,), (True,), (0,), 1, False), dst) == (
+        "L1: prefill block_size_scale must be an int, got True")
+    assert _layout_error(validate_layer, Meta((0,), (4096,), (1,), (0,), "1", False), dst) == (
+        "L1: prefill main_tensor_count must be an int, got '1'")
+    assert _layout_error(validate_layer, Meta(None, (4096,), (1,), (0,), 1, False), dst) == (
+        "L1: prefill layer layout is malformed: 'NoneType' object is not iterable")
+    assert _layout_error(validate_dest_range, [0, 8], 8, "main") == (
+        "L1: main destination block id 8 is outside 0..7 (capacity 8)")
+    assert _layout_error(validate_dest_range, [0, 1], True, "main") == (
+        "L1: main destination capacity must be an int, got True")
+    assert _layout_error(validate_dest_range, [0.5], 8, "main") == (
+        "L1: main block ids must be integers, got dtype float64")
+    assert _layout_error(validate_dest_range, [3, 1, 3], 8, "main") == (
+        "L1: main destination block id 3 appears more than once")
+    assert _layout_error(validate_dest_range, [2, 2], 8, "main") == (
+        "L1: main destination block id 2 appears more than once")
