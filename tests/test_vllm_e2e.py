@@ -20,6 +20,7 @@ every request has a timeout, and the module finalizer stops every process.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -242,7 +243,14 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     env.received += n_ok
     env.blocks += launch.expected_blocks(_prompts(env.bystanders), env.opts.block_size)
     env.sent += 1 + n_ok
-    results = _send(env, cases, decode=[FAILING] + ["decode"] * len(env.bystanders))
+    # Diagnostics for a known intermittent stall (README): a request still unanswered
+    # after 30 s makes every engine's vLLM workers print their thread stacks to the log.
+    dump = threading.Timer(30.0, lambda: [s.dump_threads() for s in env.dep.servers.values()])
+    dump.start()
+    try:
+        results = _send(env, cases, decode=[FAILING] + ["decode"] * len(env.bystanders))
+    finally:
+        dump.cancel()
 
     # The victim's error reaches the client through its proxy: Decode's vLLM fails the
     # request (kv_load_failure_policy "fail") and the proxy forwards the status.

@@ -970,3 +970,29 @@ def test_sleep_mode_is_refused_because_registered_addresses_would_go_stale() -> 
     from sfa_rd2h.runtime.vllm.connector import SfaRemoteD2HConnector
 
     assert SfaRemoteD2HConnector.supports_sleep_mode(None) is False
+
+
+def test_sigusr1_prints_every_thread_without_stopping_the_worker(tmp_path) -> None:
+    """What a stalled connector waits on can be read without stopping it (README)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dump.py"
+    script.write_text(
+        "import os, signal, threading\n"
+        "from sfa_rd2h.runtime.vllm.worker import enable_thread_dumps\n"
+        "assert enable_thread_dumps()\n"
+        "ev = threading.Event()\n"
+        "def waiting_for_a_gate():\n"
+        "    ev.wait(30)\n"
+        "t = threading.Thread(target=waiting_for_a_gate)\n"
+        "t.start()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "ev.set()\n"
+        "t.join()\n"
+        "print('still alive')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "still alive"
+    assert "in waiting_for_a_gate" in out.stderr and "Current thread" in out.stderr

@@ -275,6 +275,25 @@ class EngineServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
+    def dump_threads(self) -> int:
+        """Ask the engine's vLLM worker processes to print every thread's stack to the log
+        (SIGUSR1; the connector enables it, ``worker.enable_thread_dumps``). Returns how many
+        were asked: what a test prints when a request hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return 0
+        asked = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                head, _, rest = stat.read_text().rpartition(")")
+                comm, pgid = head.partition("(")[2], int(rest.split()[2])
+            except (OSError, ValueError, IndexError):
+                continue  # a process that just ended
+            if pgid == self.proc.pid and comm.startswith("VLLM::Worker"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(stat.parent.name), signal.SIGUSR1)
+                    asked += 1
+        return asked
+
     def stop(self, timeout: float = 15.0) -> None:
         """:meth:`terminate`, wait up to ``timeout``, SIGKILL what is left of the group.
         Safe to call twice."""
@@ -467,10 +486,12 @@ class Deployment:
         server = self.servers.get(name)
         return connector_stats(server.log_text()) if server is not None else {}
 
-    def log_tails(self, lines: int = 25) -> str:
+    def log_tails(self, lines: int = 80) -> str:
         """The last connector, warning and error lines of every engine's log: what a failed
         test prints, since the logs live in a temporary folder CI does not keep."""
-        keep = ("sfa_rd2h", "WARNING", "ERROR", "Traceback", "Error")
+        # connector lines, warnings and errors, and thread stacks (``dump_threads``)
+        keep = ("sfa_rd2h", "WARNING", "ERROR", "Traceback", "Error", "Thread 0x",
+                "Current thread", '  File "')
         parts = []
         for name, server in self.servers.items():
             tail = [ln for ln in server.log_text().splitlines() if any(k in ln for k in keep)]

@@ -17,8 +17,10 @@ All protocol decisions are the cores'; this module wires vLLM's calls to them.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -310,6 +312,7 @@ class ProducerWorker:
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = collect_layers(kv_caches, self.kv_cache_config, self.cfg)
+        enable_thread_dumps()
         engine = _make_engine(self.cfg, "prefill")
         try:
             if getattr(engine, "mode", "cma") != "cma":
@@ -516,6 +519,16 @@ def _close_in_order(owner: Any, names: tuple[str, ...], timeout: float, who: str
         setattr(owner, name, None)
 
 
+def enable_thread_dumps() -> bool:
+    """Let ``kill -USR1 <worker pid>`` print every thread's stack to the engine log: what a
+    stalled connector waits on, without stopping it. Only where nothing else handles
+    SIGUSR1; returns whether it is enabled."""
+    if signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+        return False
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    return True
+
+
 def _device_event(kv_layer: Any) -> Any:
     """C4: an event that signals when the layer's write landed; None for CPU tensors,
     whose writes are complete when ``save_kv_layer`` runs."""
@@ -564,6 +577,7 @@ class ConsumerWorker:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = collect_layers(kv_caches, self.kv_cache_config, self.cfg)
+        enable_thread_dumps()
         engine = _make_engine(self.cfg, "decode")
         group: TpGroup | None = None
         try:
