@@ -760,10 +760,7 @@ class Cluster:
             if tracer is not None:
                 tracer.connection("lost", a.peer, self._identity(p, g))
             self._conn_gen[(p, g)] += 1
-            self.to_p[(p, g)].clear()  # replies on the old connection never arrive
-            self.ghost.readys[(p, g)] = self.ghost.replies[(p, g)] = 0
-            self.ghost.meta_seen.discard((p, g))
-            self.ghost.last_final.pop((p, g), None)
+            self._forget_connection((p, g))  # replies on the old one never arrive
             self.ghost.last_ready.pop((p, g), None)
             # Prefill no longer waits for this reader: its slot may be rewritten (S5); a
             # read still in flight is S6's to refuse.
@@ -846,12 +843,7 @@ class Cluster:
                 self._mark_blocks(i, "!" + self.ext[i])
         for key in self.to_d:
             if key[1] in ranks:
-                self.to_d[key].clear()
-                self.to_d_sent[key].clear()
-                self.to_p[key].clear()
-                self.ghost.readys[key] = self.ghost.replies[key] = 0
-                self.ghost.meta_seen.discard(key)
-                self.ghost.last_final.pop(key, None)
+                self._forget_connection(key)
         for counter in self.ghost.readers.values():
             for reader in [r for r in counter if self._rank_of_reader(r[0]) in ranks]:
                 del counter[reader]
@@ -861,6 +853,16 @@ class Cluster:
             g = inst * self.scope.d_tp + self.mapping.d_rank(p)
             core.peer_gone(self._endpoint(g), self.now, "decode restarted")
         return f"fault: Decode instance {inst} restarts (S5, W1)"
+
+    def _forget_connection(self, key: tuple[int, int]) -> None:
+        """The (Prefill, Decode) connection is gone: its traffic in flight and what the
+        ghost counted on it go with it."""
+        self.to_d[key].clear()
+        self.to_d_sent[key].clear()
+        self.to_p[key].clear()
+        self.ghost.readys[key] = self.ghost.replies[key] = 0
+        self.ghost.meta_seen.discard(key)
+        self.ghost.last_final.pop(key, None)
 
     @staticmethod
     def _rank_of_reader(name: str) -> int:

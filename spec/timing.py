@@ -26,13 +26,17 @@ REQUEST_DEADLINE_S = 300.0
 
 
 def check_timeouts(*, destination_wait: float | None = None, read_budget: float | None = None,
-                   reply_timeout: float | None = None) -> None:
+                   reply_timeout: float | None = None,
+                   handshake_timeout: float | None = None) -> None:
     """Refuse timeouts that break S6: each given one positive (``destination_wait`` may be
-    0), and ``destination_wait < read_budget < reply_timeout`` among those given."""
+    0), and ``destination_wait < read_budget < reply_timeout`` among those given
+    (``handshake_timeout`` stands outside that order)."""
     given = [(n, v) for n, v in (("destination_wait", destination_wait),
                                  ("read_budget", read_budget),
                                  ("reply_timeout", reply_timeout)) if v is not None]
-    for name, value in given:
+    for name, value in [*given, ("handshake_timeout", handshake_timeout)]:
+        if value is None:
+            continue
         zero_ok = name == "destination_wait"  # 0: a READY never waits for destinations
         if isinstance(value, bool) or not isinstance(value, int | float) or not (
                 value >= 0 if zero_ok else value > 0):

@@ -102,8 +102,7 @@ class PrefillCore:
         self.session = session
         self.layer_names: tuple[str, ...] = tuple(layers)
         self.block_size = block_size
-        check_timeouts(reply_timeout=reply_timeout)
-        check_timeouts(reply_timeout=handshake_timeout)  # positive, like any timeout
+        check_timeouts(reply_timeout=reply_timeout, handshake_timeout=handshake_timeout)
         self.reply_timeout = reply_timeout
         self.handshake_timeout = handshake_timeout
         # The versioned 6-field form: the fork checks it, upstream reads its first 3 fields.
