@@ -581,7 +581,12 @@ def test_prefill_gates_open_only_for_a_valid_reply_of_their_own_layer(
             result.count += sent
         assert alive, "the sender thread died"
 
-    run()
+    # a refused handshake ends its example after a few frames, so the examples' minimum
+    # batch is not a bound on the count: another round until the target is met
+    for _ in range(4):
+        run()
+        if result.count >= TARGET:
+            break
     result.notes.append(", ".join(f"{v} {k}" for k, v in sorted(stats.items())))
     assert stats["free"] and stats["failed"] and stats["closed"]  # every outcome exercised
     rig.ctx.term()

@@ -257,8 +257,12 @@ def _dead_pid() -> int:
     """A pid that existed a moment ago and no longer does."""
     import subprocess
 
-    pid = subprocess.Popen(["true"]).pid
-    os.waitpid(pid, 0)  # reaped: the pid is free now
+    # Popen.wait, not os.waitpid: a Popen dropped while its child runs is reaped by
+    # whichever thread starts the next subprocess (subprocess._cleanup), and a bare
+    # waitpid then fails with ECHILD
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: the pid is free now
+    pid = child.pid
     assert not shm.pid_alive(pid)
     return pid
 

@@ -240,14 +240,14 @@ def test_metaserver_contract(backends, proxy):
 def test_duplicate_and_conflicting_rendezvous_after_dispatch(backends, proxy):
     # A Decode that does not post by itself: the test posts for it.
     backends.decode_mode = "no_rendezvous"
-    backends.decode_wait_s = 3.0
+    backends.decode_wait_s = 10.0
+    # Decode holds its answer: once it answered, the proxy forgets the request (404)
+    backends.decode_release.clear()
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(
         r=complete(proxy, {"model": "m", "prompt": [5, 6], "max_tokens": 1})))
     t.start()
-    deadline = time.monotonic() + 10
-    while not backends.decode_calls and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert backends.decode_arrived.wait(10)
     xrid = backends.decode_calls[0]["x_request_id"]
     rid = f"cmpl-{xrid}-0"
     first = Rendezvous(request_id=rid, remote_engine_id="d", remote_host="127.0.0.1",
@@ -257,6 +257,7 @@ def test_duplicate_and_conflicting_rendezvous_after_dispatch(backends, proxy):
     assert post_rendezvous(proxy.metaserver_url, first) == 200
     assert post_rendezvous(proxy.metaserver_url, first) == 200  # duplicate
     assert post_rendezvous(proxy.metaserver_url, other) == 409
+    backends.decode_release.set()
     t.join(15)
     assert result["r"].status_code == 200  # the fake Prefill pushed for `first`
     (p_call,) = backends.prefill_calls
@@ -270,9 +271,7 @@ def test_close_answers_in_flight_requests_within_its_deadline(backends):
     t = threading.Thread(target=lambda: result.update(
         r=complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1})))
     t.start()
-    deadline = time.monotonic() + 10
-    while not backends.decode_calls and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert backends.decode_arrived.wait(10)
     t0 = time.monotonic()
     proxy.close(timeout=5.0)
     assert time.monotonic() - t0 < 5.5

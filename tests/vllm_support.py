@@ -63,6 +63,11 @@ async def client_gone(request: Request) -> None:
         pass
 
 
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event
+
+
 @dataclass
 class Backends:
     """Shared state of one fake Decode and one fake Prefill; tests set the ``*_mode``s."""
@@ -80,6 +85,11 @@ class Backends:
     posted: list[tuple[str, int]] = field(default_factory=list)  # (request_id, status)
     posts_started: int = 0
     decode_cancelled: threading.Event = field(default_factory=threading.Event)
+    decode_arrived: threading.Event = field(default_factory=threading.Event)
+    # cleared by a test that must act while the request is still open on Decode: the fake
+    # Decode then answers only once the KV landed *and* this is set
+    decode_release: threading.Event = field(
+        default_factory=lambda: _set(threading.Event()))
     decode: AppServer | None = None
     prefill: AppServer | None = None
 
@@ -93,6 +103,7 @@ class Backends:
         return self
 
     def close(self) -> None:
+        self.decode_release.set()
         with self.lock:  # release fake-Decode threads still waiting for KV
             for ev in self.kv.values():
                 ev.set()
@@ -110,6 +121,7 @@ class Backends:
             body = await request.json()
             xrid = request.headers["x-request-id"]
             self.decode_calls.append({"body": body, "x_request_id": xrid})
+            self.decode_arrived.set()
             work = asyncio.ensure_future(self._decode(body, xrid))
             gone = asyncio.ensure_future(client_gone(request))
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -182,6 +194,7 @@ class Backends:
                                              self.decode_wait_s)
             if not landed:
                 return None
+        await asyncio.to_thread(self.decode_release.wait, self.decode_wait_s)
         max_tokens = int(body.get("max_tokens", 16))
         return [{"index": i, "text": "", "token_ids": fake_tokens(p, max_tokens),
                  "finish_reason": "length"} for i, p in enumerate(prompts)]
