@@ -11,13 +11,15 @@ the checker still runs it, to show it is not killed.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout, ReadPlan
 from sfa_rd2h.spec.params import RemoteDecode
-from sfa_rd2h.spec.topology import Cut, decode_cut, indexer_share
+from sfa_rd2h.spec.topology import Cuts, decode_cuts, indexer_share
 from sfa_rd2h.statemachines.cores.decode import DecodeCore, DecodeRequest, ServedReady
 from sfa_rd2h.statemachines.cores.prefill import PrefillCore, PrefillRequest
 from sfa_rd2h.statemachines.models import SlotGate
@@ -101,30 +103,33 @@ class TrustFirstRatio(DecodeCore):
 class EveryMemberPullsMain(DecodeCore):
     """T2: Decode also reads main KV from group members other than 0."""
 
-    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
-        main = super()._cut(entry, n_indexer, 0, ratio).main
-        return Cut(main=main, indexer=super()._cut(entry, n_indexer, member, ratio).indexer)
+    def _cuts(self, n_main: np.ndarray, n_indexer: np.ndarray, main_start: np.ndarray,
+              indexer_start: np.ndarray, member: int, ratio: int) -> Cuts:
+        as_member_0 = super()._cuts(n_main, n_indexer, main_start, indexer_start, 0, ratio)
+        own = super()._cuts(n_main, n_indexer, main_start, indexer_start, member, ratio)
+        return replace(own, main_lo=as_member_0.main_lo, main_hi=as_member_0.main_hi)
 
 
 class IndexerGap(DecodeCore):
     """T3: the last member's indexer piece stops one block short, so the union of the
     members' pieces misses a block."""
 
-    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
-        cut = super()._cut(entry, n_indexer, member, ratio)
-        lo, hi = cut.indexer
-        if member == ratio - 1 and hi > lo:
-            return Cut(main=cut.main, indexer=(lo, hi - 1))
-        return cut
+    def _cuts(self, n_main: np.ndarray, n_indexer: np.ndarray, main_start: np.ndarray,
+              indexer_start: np.ndarray, member: int, ratio: int) -> Cuts:
+        cuts = super()._cuts(n_main, n_indexer, main_start, indexer_start, member, ratio)
+        if member != ratio - 1:
+            return cuts
+        short = cuts.indexer_hi - (cuts.indexer_hi > cuts.indexer_lo)
+        return replace(cuts, indexer_hi=short)
 
 
 class MainNotShared(DecodeCore):
     """T5: every Decode rank reads the whole main range into the pool the ranks share."""
 
-    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
-        return decode_cut(len(entry.p_main_block_ids), n_indexer, entry.main_dest_start,
-                          entry.indexer_dest_start, member, ratio, self.d_rank, self.d_tp,
-                          main_shared=False)
+    def _cuts(self, n_main: np.ndarray, n_indexer: np.ndarray, main_start: np.ndarray,
+              indexer_start: np.ndarray, member: int, ratio: int) -> Cuts:
+        return decode_cuts(n_main, n_indexer, main_start, indexer_start, member, ratio,
+                           self.d_rank, self.d_tp, main_shared=False)
 
 
 class FailWithoutWaiting(DecodeCore):

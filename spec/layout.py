@@ -17,6 +17,7 @@ All per-block work is numpy; Python loops only run over tensors (a handful per l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -179,6 +180,25 @@ def validate_layer(src: LayerLayout, dst: DestLayout) -> None:
 
     Raises ``LayoutError`` naming the first field that differs and both values.
     """
+    _checked_pair(src, dst)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_pair(src: LayerLayout, dst: DestLayout) -> _SrcTensors:
+    return _check_pair(src, dst)
+
+
+def _checked_pair(src: LayerLayout, dst: DestLayout) -> _SrcTensors:
+    """:func:`_check_pair`, remembered for layouts that compare by value: Decode plans every
+    layer of every READY against the same few (MF_META layer, registration) pairs, and a
+    failed check is never remembered."""
+    try:
+        return _cached_pair(src, dst)
+    except TypeError:  # unhashable (a layout holding lists): check it every time
+        return _check_pair(src, dst)
+
+
+def _check_pair(src: LayerLayout, dst: DestLayout) -> _SrcTensors:
     s = _check_src(src)
     if s.main_tensor_count != dst.main_tensor_count:
         raise _mismatch("main tensor count", s.main_tensor_count, dst.main_tensor_count)
@@ -199,6 +219,7 @@ def validate_layer(src: LayerLayout, dst: DestLayout) -> None:
         i = s.main_tensor_count + 1
         if s.ext_block_bytes[i] != dst.block_bytes[i]:
             raise _mismatch("LIC8 scale block bytes", s.ext_block_bytes[i], dst.block_bytes[i])
+    return s
 
 
 def as_block_ids(ids: Any, what: str) -> np.ndarray:
@@ -339,23 +360,30 @@ def concat(plans: Iterable[ReadPlan]) -> ReadPlan:
     ).coalesced()
 
 
-def _tensor_descs(
-    src_base: int,
-    dst_base: int,
-    nbytes: int,
+def _group_descs(
+    src: _SrcTensors,
+    dst: DestLayout,
+    tensors: range,
     src_ids: np.ndarray,
     dst_ids: np.ndarray,
-    what: str,
+    name: str,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-block descriptors for one tensor: ``base + id * block_bytes`` on each side."""
+    """Per-block descriptors for the tensors of one group, tensor after tensor:
+    ``base + id * block_bytes`` on each side, built for all tensors in one numpy pass."""
     # Check the highest address in Python ints: uint64 arithmetic would wrap silently.
-    for side, base, ids in (("prefill", src_base, src_ids), ("decode", dst_base, dst_ids)):
-        if base + (int(ids.max()) + 1) * nbytes - 1 > _U64_MAX:
-            raise LayoutError(f"L1: {what} {side} address overflows 64 bits")
-    b = np.uint64(nbytes)
-    peer = np.uint64(src_base) + src_ids.astype(np.uint64) * b
-    local = np.uint64(dst_base) + dst_ids.astype(np.uint64) * b
-    return local, peer, np.full(src_ids.size, b, dtype=np.uint64)
+    top = {"prefill": int(src_ids.max()) + 1, "decode": int(dst_ids.max()) + 1}
+    for t in tensors:
+        nbytes = src.ext_block_bytes[t]
+        for side, base in (("prefill", src.base_addrs[t]), ("decode", dst.base_addrs[t])):
+            if base + top[side] * nbytes - 1 > _U64_MAX:
+                raise LayoutError(f"L1: {name} tensor {t} {side} address overflows 64 bits")
+    nbytes = np.array([src.ext_block_bytes[t] for t in tensors], dtype=np.uint64)
+    peer_base = np.array([src.base_addrs[t] for t in tensors], dtype=np.uint64)
+    local_base = np.array([dst.base_addrs[t] for t in tensors], dtype=np.uint64)
+    # rows are tensors, columns blocks: ravel() keeps the tensor-after-tensor order
+    peer = peer_base[:, None] + src_ids.astype(np.uint64)[None, :] * nbytes[:, None]
+    local = local_base[:, None] + dst_ids.astype(np.uint64)[None, :] * nbytes[:, None]
+    return local.ravel(), peer.ravel(), np.repeat(nbytes, src_ids.size)
 
 
 def plan_layer_reads(
@@ -377,8 +405,7 @@ def plan_layer_reads(
     checked before anything is built, so a bad layer yields an error, never a partial plan.
     ``src_num_blocks`` (per tensor), when known, bounds the source ids.
     """
-    validate_layer(src, dst)
-    s = _check_src(src)
+    s = _checked_pair(src, dst)
     n_tensors = len(s.base_addrs)
     if src_num_blocks is not None and len(src_num_blocks) != n_tensors:
         raise LayoutError(
@@ -407,21 +434,8 @@ def plan_layer_reads(
             validate_src_range(sid, src_num_blocks[t_src], f"{name} tensor {t_src}")
         checked.append((name, tensors, sid, did))
 
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for name, tensors, sid, did in checked:
-        if sid.size == 0:
-            continue
-        for t in tensors:
-            parts.append(
-                _tensor_descs(
-                    s.base_addrs[t],
-                    dst.base_addrs[t],
-                    s.ext_block_bytes[t],
-                    sid,
-                    did,
-                    f"{name} tensor {t}",
-                )
-            )
+    parts = [_group_descs(s, dst, tensors, sid, did, name)
+             for name, tensors, sid, did in checked if sid.size]
     if not parts:
         return ReadPlan.empty()
     return ReadPlan(

@@ -261,10 +261,41 @@ class Cut:
     indexer: tuple[int, int]
 
 
-def decode_cut(n_main: int, n_indexer: int, main_start: int, indexer_start: int, member: int,
-               ratio: int, d_rank: int, d_tp: int, *, main_shared: bool = True) -> Cut:
-    """The share of one entry that Decode rank ``d_rank`` of ``d_tp`` reads when the entry
-    came from member ``member`` of a contributor group of ``ratio`` (T2, T3, T5, T6).
+@dataclass(frozen=True)
+class Cuts:
+    """:class:`Cut` for every entry of a layer at once: int64 arrays of offsets into each
+    entry's main and indexer lists, entry ``i`` at index ``i``."""
+
+    main_lo: np.ndarray
+    main_hi: np.ndarray
+    indexer_lo: np.ndarray
+    indexer_hi: np.ndarray
+
+    def __getitem__(self, i: int) -> Cut:
+        return Cut(main=(int(self.main_lo[i]), int(self.main_hi[i])),
+                   indexer=(int(self.indexer_lo[i]), int(self.indexer_hi[i])))
+
+
+def _counts(value: Any, name: str, rule: str) -> np.ndarray:
+    """A one-dimensional array of non-negative integers (what a layer's entries carry)."""
+    arr = np.asarray(value)
+    if arr.dtype == np.int64 and arr.ndim == 1:  # what Decode passes, every layer
+        if arr.size and int(arr.min()) < 0:
+            raise TopologyError(f"{rule}: {name}={int(arr.min())} must be >= 0")
+        return arr
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        raise TopologyError(f"{rule}: {name} must be a 1-d array of ints, got {value!r}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and int(arr.min()) < 0:
+        raise TopologyError(f"{rule}: {name}={int(arr.min())} must be >= 0")
+    return arr
+
+
+def decode_cuts(n_main: Any, n_indexer: Any, main_start: Any, indexer_start: Any, member: int,
+                ratio: int, d_rank: int, d_tp: int, *, main_shared: bool = True) -> Cuts:
+    """The share of each entry of a layer that Decode rank ``d_rank`` of ``d_tp`` reads when
+    the layer came from member ``member`` of a contributor group of ``ratio`` (T2, T3, T5,
+    T6). The first four arguments hold one value per entry; one numpy pass cuts them all.
 
     Prefill sends every member the chunk's full lists; Decode cuts here. Main KV is
     replicated across the group, so only member 0's main is read (T2); where the main
@@ -272,10 +303,12 @@ def decode_cut(n_main: int, n_indexer: int, main_start: int, indexer_start: int,
     its own piece of it (T5), otherwise member 0's rank reads the whole range. Every Decode
     rank needs the whole indexer, so the members split it among themselves (T3).
     """
-    n_main = _int(n_main, "main block count", "T6")
-    n_indexer = _int(n_indexer, "indexer block count", "T6")
-    main_start = _int(main_start, "main_dest_start", "T6")
-    indexer_start = _int(indexer_start, "indexer_dest_start", "T6")
+    n_main = _counts(n_main, "main block count", "T6")
+    n_indexer = _counts(n_indexer, "indexer block count", "T6")
+    main_start = _counts(main_start, "main_dest_start", "T6")
+    indexer_start = _counts(indexer_start, "indexer_dest_start", "T6")
+    if not n_main.size == n_indexer.size == main_start.size == indexer_start.size:
+        raise TopologyError("T6: one count and one start per entry, for main and indexer")
     ratio = _int(ratio, "ratio", "T3", minimum=1)
     member = _int(member, "member", "T3")
     if member >= ratio:
@@ -285,13 +318,23 @@ def decode_cut(n_main: int, n_indexer: int, main_start: int, indexer_start: int,
     if d_rank >= d_tp:
         raise TopologyError(f"T5: d_rank={d_rank} is outside 0..{d_tp - 1}")
     if member != 0:
-        main = (0, 0)
+        main_lo = main_hi = np.zeros_like(n_main)
     elif main_shared:
-        main = subrange(n_main, d_rank, d_tp, main_start)
+        main_lo, main_hi = subrange(n_main, d_rank, d_tp, main_start)
     else:
-        main = (0, n_main)
-    indexer = subrange(n_indexer, member, ratio, indexer_start)
-    return Cut(main=main, indexer=indexer)
+        main_lo, main_hi = np.zeros_like(n_main), n_main
+    indexer_lo, indexer_hi = subrange(n_indexer, member, ratio, indexer_start)
+    return Cuts(main_lo, main_hi, indexer_lo, indexer_hi)
+
+
+def decode_cut(n_main: int, n_indexer: int, main_start: int, indexer_start: int, member: int,
+               ratio: int, d_rank: int, d_tp: int, *, main_shared: bool = True) -> Cut:
+    """:func:`decode_cuts` for a single entry."""
+    counts = [_int(v, name, "T6") for v, name in (
+        (n_main, "main block count"), (n_indexer, "indexer block count"),
+        (main_start, "main_dest_start"), (indexer_start, "indexer_dest_start"))]
+    return decode_cuts(*([c] for c in counts), member, ratio, d_rank, d_tp,
+                       main_shared=main_shared)[0]
 
 
 def main_share(start: int, stop: int, d_rank: int, d_tp: int) -> tuple[int, int]:

@@ -182,6 +182,37 @@ def test_decode_cuts_the_full_lists_it_is_sent():  # T2, T3, T5, T6
     assert pieces == [[10, 11], [12, 13], [10, 11, 12, 13]]
 
 
+@pytest.mark.parametrize(("entry", "member", "error"), [
+    # member 0 reads main: the whole range must fit, even where this rank reads a piece
+    (("r2", (1, 2, 3), (1,), 2, 0), 0, "L1: main destination range [2, 5) outside the 4 "
+                                        "registered blocks"),
+    (("r2", (1,), (1, 2), 0, 3), 0, "L1: indexer destination range [3, 5) outside the 4 "
+                                     "registered blocks"),
+    # member 1 reads no main, so only where its main range starts is checked
+    (("r2", (1, 2, 3), (1,), 4, 0), 1, None),
+    (("r2", (1,), (1,), 5, 0), 1, "L1: main destination range [5, 5) outside the 4 "
+                                   "registered blocks"),
+])
+def test_a_destination_range_past_the_registered_blocks_fails_the_layer(
+        entry: tuple, member: int, error: str | None) -> None:  # L1
+    """The first entry whose range leaves its request's registered blocks names the
+    layer's READ_FAILED, and nothing of the layer is read; a valid entry before it
+    does not hide it."""
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.register_request("r2", [30, 31, 32, 33], [40, 41, 42, 43], 0.0)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    actions = d.on_frame("p", ready(reqs=(("r1", (1, 2), (1, 2), 0, 0), entry),
+                                    member=member, ratio=2), 0.0)
+    reads = [a for a in actions if isinstance(a, IssueRead)]
+    if error is None:
+        assert len(reads) == 1 and not sends(actions)
+        return
+    assert not reads
+    [reply] = sends(actions)
+    assert wire.decode(reply).error == error
+
+
 def test_an_entry_without_blocks_fails_the_layer():  # T6, like the upstream Decode
     d = decode()
     d.register_request("r1", [10, 11], [20, 21], 0.0)

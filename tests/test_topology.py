@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from sfa_rd2h.spec.topology import (
     TpMapping,
     decode_base_port,
     decode_cut,
+    decode_cuts,
     decode_rank_port,
     indexer_share,
     main_share,
@@ -278,6 +281,43 @@ def test_decode_cuts_per_decode_rank(chunk: tuple[int, int], d_tp: int, ratio: i
     _assert_tiles(mains, start, stop)  # T2 + T5
     for ranges in per_rank_indexer.values():
         _assert_tiles(ranges, start, stop)  # T3
+
+
+@given(entries=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 99),
+                                  st.integers(0, 99)), max_size=12),
+       group=st.sampled_from([(0, 1), (0, 2), (1, 2), (2, 4), (3, 4)]),
+       d=st.sampled_from([(0, 1), (0, 2), (1, 2), (3, 4)]), shared=st.booleans())
+@settings(max_examples=80)
+def test_a_layers_cuts_are_upstreams_rule_entry_by_entry(
+        entries: list[tuple[int, int, int, int]], group: tuple[int, int],
+        d: tuple[int, int], shared: bool) -> None:
+    """T6: Decode cuts a whole layer's entries in one numpy pass; each entry gets exactly
+    the piece upstream's per-entry rule gives it (T2 main from member 0 only, T5 the
+    rank's piece of a shared pool, T3 the member's indexer piece)."""
+    member, ratio = group
+    d_rank, d_tp = d
+    cols = np.array(entries, dtype=np.int64).reshape(-1, 4).T
+    cuts = decode_cuts(*cols, member, ratio, d_rank, d_tp, main_shared=shared)
+    for i, (n_main, n_idx, main_start, idx_start) in enumerate(entries):
+        if member:
+            main = (0, 0)
+        elif shared:
+            main = upstream_subrange(n_main, d_rank, d_tp, main_start)
+        else:
+            main = (0, n_main)
+        assert cuts[i] == Cut(main=main,
+                              indexer=upstream_subrange(n_idx, member, ratio, idx_start))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (([1, -2], [0, 0], [0, 0], [0, 0]), "T6: main block count=-2 must be >= 0"),
+    (([1.5], [0], [0], [0]), "T6: main block count must be a 1-d array of ints"),
+    (([1], [[0]], [0], [0]), "T6: indexer block count must be a 1-d array of ints"),
+    (([1, 2], [0], [0, 0], [0, 0]), "T6: one count and one start per entry"),
+])
+def test_a_layers_cuts_refuse_malformed_columns(args: tuple, message: str) -> None:
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        decode_cuts(*args, 0, 1, 0, 1)
 
 
 @given(d_tp=st.integers(2, 16))

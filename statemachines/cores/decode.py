@@ -20,7 +20,7 @@ import functools
 import heapq
 import itertools
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -34,7 +34,7 @@ from sfa_rd2h.spec.timing import (
     REQUEST_DEADLINE_S,
     check_timeouts,
 )
-from sfa_rd2h.spec.topology import Cut, decode_cut
+from sfa_rd2h.spec.topology import Cuts, decode_cuts
 from sfa_rd2h.statemachines.cores.actions import (
     Action,
     IssueRead,
@@ -388,39 +388,63 @@ class DecodeCore:
     def _forget(self, ext_req_id: str) -> None:
         del self.requests[ext_req_id]
 
-    def _cut(self, entry: wire.ReadReq, n_indexer: int, member: int, ratio: int) -> Cut:
-        """T6: what this rank reads of an entry that carries the chunk's full lists."""
-        return decode_cut(len(entry.p_main_block_ids), n_indexer, entry.main_dest_start,
-                          entry.indexer_dest_start, member, ratio, self.d_rank, self.d_tp,
-                          main_shared=self.main_dest_shared)
+    def _cuts(self, n_main: np.ndarray, n_indexer: np.ndarray, main_start: np.ndarray,
+              indexer_start: np.ndarray, member: int, ratio: int) -> Cuts:
+        """T6: what this rank reads of each entry of a layer (entries carry the chunk's
+        full lists)."""
+        return decode_cuts(n_main, n_indexer, main_start, indexer_start, member, ratio,
+                           self.d_rank, self.d_tp, main_shared=self.main_dest_shared)
 
     def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
                     msg: wire.ReadReadyBatch) -> ReadPlan:
-        """One plan for the whole layer: each live entry is cut to this rank's share (T6),
-        then the block ids of every entry are joined so the layout is checked once and numpy
-        builds and coalesces all descriptors in one pass."""
+        """One plan for the whole layer: the live entries are cut to this rank's share in
+        one numpy pass (T6), their ranges checked against the registered destinations
+        (L1), and the block ids of every entry joined so the layout is checked once and
+        numpy builds and coalesces all descriptors in one pass."""
         if not live:
             return _EMPTY_PLAN
         member, ratio = msg.group_member_idx, msg.tp_ratio
-        main_src, main_dst, idx_src, idx_dst = [], [], [], []
-        for e in live:
-            req = self.requests[e.ext_req_id]
-            n_idx = len(e.p_indexer_block_ids) if dst.has_indexer else 0
-            cut = self._cut(e, n_idx, member, ratio)
-            lo, hi = cut.main
-            if member == 0:  # L1: the whole range must fit before any piece is read
-                _dest_slice(req.main_dest, e.main_dest_start, len(e.p_main_block_ids), "main")
-            main_src.append(e.p_main_block_ids[lo:hi])
-            main_dst.append(_dest_slice(req.main_dest, e.main_dest_start + lo, hi - lo, "main"))
-            if n_idx:  # a layer without indexer reads none, wherever the chunk starts
-                lo, hi = cut.indexer
-                _dest_slice(req.indexer_dest, e.indexer_dest_start, n_idx, "indexer")
-                idx_src.append(e.p_indexer_block_ids[lo:hi])
-                idx_dst.append(_dest_slice(req.indexer_dest, e.indexer_dest_start + lo,
-                                           hi - lo, "indexer"))
-        empty = np.zeros(0, dtype=np.int64)
-        return plan_layer_reads(src, dst, _join(main_src), np.concatenate(main_dst),
-                                _join(idx_src), np.concatenate(idx_dst or [empty]))
+        reqs = [self.requests[e.ext_req_id] for e in live]
+        n = len(live)
+        # one row per entry: its counts, destination starts and registered blocks
+        rows = np.fromiter(itertools.chain.from_iterable(
+            (len(e.p_main_block_ids), e.main_dest_start, r.main_dest.size,
+             len(e.p_indexer_block_ids), e.indexer_dest_start, r.indexer_dest.size)
+            for e, r in zip(live, reqs, strict=True)), np.int64, 6 * n).reshape(n, 6)
+        if not dst.has_indexer:  # a layer without indexer reads none, wherever it starts
+            rows[:, 3:] = 0
+        n_main, main_start, main_size, n_idx, idx_start, idx_size = rows.T
+        cuts = self._cuts(n_main, n_idx, main_start, idx_start, member, ratio)
+        # L1, in the order a reader expects the first error: per entry, the whole main
+        # range (member 0 reads main, so all of it must fit before any piece is read),
+        # this rank's piece of it, then the same two for the indexer.
+        has_idx = n_idx > 0
+        checks = (
+            ("main", main_start, n_main, main_size, np.full(n, member == 0)),
+            ("main", main_start + cuts.main_lo, cuts.main_hi - cuts.main_lo, main_size,
+             np.ones(n, bool)),
+            ("indexer", idx_start, n_idx, idx_size, has_idx),
+            ("indexer", idx_start + cuts.indexer_lo, cuts.indexer_hi - cuts.indexer_lo,
+             idx_size, has_idx),
+        )
+        bad = np.stack([on & ((start < 0) | (start + count > size))
+                        for _, start, count, size, on in checks])
+        if bad.any():
+            entry = int(np.flatnonzero(bad.any(axis=0))[0])
+            what, start, count, size, _ = checks[int(np.flatnonzero(bad[:, entry])[0])]
+            lo, hi = int(start[entry]), int(start[entry] + count[entry])
+            raise ProtocolError(f"L1: {what} destination range [{lo}, {hi}) outside the "
+                                f"{int(size[entry])} registered blocks")
+        main_src, main_dst = _gather([e.p_main_block_ids for e in live], n_main,
+                                     [r.main_dest for r in reqs], cuts.main_lo, cuts.main_hi,
+                                     main_start)
+        if has_idx.any():  # an entry without indexer blocks has the empty piece (0, 0)
+            idx_src, idx_dst = _gather([e.p_indexer_block_ids for e in live], n_idx,
+                                       [r.indexer_dest for r in reqs], cuts.indexer_lo,
+                                       cuts.indexer_hi, idx_start)
+        else:
+            idx_src = idx_dst = np.zeros(0, dtype=np.int64)
+        return plan_layer_reads(src, dst, main_src, main_dst, idx_src, idx_dst)
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
@@ -637,16 +661,21 @@ def _remember(table: dict, key: str, value: object, limit: int) -> None:
         del table[next(iter(table))]
 
 
-def _join(id_lists: list[tuple[int, ...]]) -> np.ndarray:
-    """Concatenate block id tuples into one int64 array without per-id Python work."""
-    total = sum(len(ids) for ids in id_lists)
-    return np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=total)
+def _gather(id_lists: list[tuple[int, ...]], counts: np.ndarray, dests: list[np.ndarray],
+            lo: np.ndarray, hi: np.ndarray,
+            dest_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Entry ``i``'s source ids (``counts[i]`` of them) at positions ``[lo[i], hi[i])``,
+    all entries joined into one
+    int64 array, and the destination blocks they land in: ``dests[i]`` from
+    ``dest_start[i] + lo[i]`` on. The ranges were checked against ``dests`` (L1)."""
+    total = int(np.maximum(hi - lo, 0).sum())
+    los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
+    if not lo.any() and np.array_equal(hi, counts):  # every piece is its whole list
+        pieces: Iterable[tuple[int, ...]] = id_lists
+    else:
+        pieces = (ids[a:b] for ids, a, b in zip(id_lists, los, his, strict=True))
+    src = np.fromiter(itertools.chain.from_iterable(pieces), np.int64, total)
+    dst = np.concatenate([d[at:at + b - a] for d, at, a, b
+                          in zip(dests, ats, los, his, strict=True)])
+    return src, dst
 
-
-def _dest_slice(dest: np.ndarray, start: int, count: int, what: str) -> np.ndarray:
-    """L1: the destination range of an entry must lie inside the registered blocks."""
-    if start < 0 or start + count > dest.size:
-        raise ProtocolError(
-            f"L1: {what} destination range [{start}, {start + count}) outside the "
-            f"{dest.size} registered blocks")
-    return dest[start:start + count]
