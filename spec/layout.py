@@ -184,17 +184,20 @@ def validate_layer(src: LayerLayout, dst: DestLayout) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_pair(src: LayerLayout, dst: DestLayout) -> _SrcTensors:
+def _cached_pair(src: LayerLayout, dst: DestLayout, types: tuple[type, ...]) -> _SrcTensors:
     return _check_pair(src, dst)
 
 
 def _checked_pair(src: LayerLayout, dst: DestLayout) -> _SrcTensors:
     """:func:`_check_pair`, remembered for layouts that compare by value: Decode plans every
     layer of every READY against the same few (MF_META layer, registration) pairs, and a
-    failed check is never remembered."""
+    failed check is never remembered. The key holds the source fields' types too, because
+    ``1.0 == 1``: a float address must not pass as the int one checked earlier."""
     try:
-        return _cached_pair(src, dst)
-    except TypeError:  # unhashable (a layout holding lists): check it every time
+        types = tuple(map(type, (*src.base_addrs, *src.block_len, *src.block_size_scale,
+                                 src.main_tensor_count, src.has_indexer)))
+        return _cached_pair(src, dst, types)
+    except (TypeError, AttributeError):  # unhashable or malformed: check it every time
         return _check_pair(src, dst)
 
 

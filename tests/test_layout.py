@@ -101,6 +101,21 @@ def _replace_dst(dst: DestLayout, **kw: object) -> DestLayout:
 NO_IDX = {"indexer_bytes": None, "scale_bytes": None}
 
 
+def test_a_checked_layout_does_not_vouch_for_an_equal_one_of_other_types() -> None:
+    """Decode remembers the (source, destination) pairs it validated (L1); a float address
+    equals an int one and hashes alike, so it must still be checked and refused."""
+    src, dst = make_pair()
+    validate_layer(src, dst)
+    floats = Meta(tuple(float(a) for a in src.base_addrs), src.block_len,
+                  src.block_size_scale, src.tensor_group_idx, src.main_tensor_count,
+                  src.has_indexer)
+    assert floats == src and hash(floats) == hash(src)
+    with pytest.raises(LayoutError, match="prefill base address must be an int"):
+        validate_layer(floats, dst)
+    with pytest.raises(LayoutError, match="prefill base address must be an int"):
+        plan_layer_reads(floats, dst, [1], [1], [1], [1])
+
+
 @pytest.mark.parametrize(
     ("src_kw", "dst_kw", "message"),
     [
