@@ -244,13 +244,30 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     env.blocks += launch.expected_blocks(_prompts(env.bystanders), env.opts.block_size)
     env.sent += 1 + n_ok
     # Diagnostics for a known intermittent stall (README): a request still unanswered
-    # after 30 s makes every engine's vLLM workers print their thread stacks to the log.
-    dump = threading.Timer(30.0, lambda: [s.dump_threads() for s in env.dep.servers.values()])
-    dump.start()
+    # after 30 s makes every engine's vLLM workers print their thread stacks to the log,
+    # and the kernel's view of every thread is taken twice, 5 s apart.
+    states: list[str] = []
+    stop = threading.Event()
+
+    def diagnose() -> None:
+        if stop.wait(30.0):
+            return
+        for server in env.dep.servers.values():
+            server.dump_threads()
+        for _ in range(2):
+            states.append(f"at {time.monotonic() - t0:.0f} s:\n" + "\n".join(
+                s.thread_states() for s in env.dep.servers.values()))
+            if stop.wait(5.0):
+                return
+
+    t0 = time.monotonic()
+    watcher = threading.Thread(target=diagnose, daemon=True)
+    watcher.start()
     try:
         results = _send(env, cases, decode=[FAILING] + ["decode"] * len(env.bystanders))
     finally:
-        dump.cancel()
+        stop.set()
+        watcher.join()
 
     # The victim's error reaches the client through its proxy: Decode's vLLM fails the
     # request (kv_load_failure_policy "fail") and the proxy forwards the status.
@@ -259,7 +276,7 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     assert error.status == 500, (
         f"{error}\nfailing proxy's jobs: "
         f"{launch.get_json(env.dep.proxies[FAILING].url + '/v1/proxy/jobs')}\n"
-        f"{env.dep.log_tails()}")
+        f"{env.dep.log_tails()}\nthreads, as the kernel saw them:\n" + "\n".join(states))
     bad = _mismatches(env, cases[1:], results[1:])
     assert not bad, "\n".join(bad) + "\n" + env.dep.log_tails()
 

@@ -275,24 +275,60 @@ class EngineServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
-    def dump_threads(self) -> int:
-        """Ask the engine's vLLM worker processes to print every thread's stack to the log
-        (SIGUSR1; the connector enables it, ``worker.enable_thread_dumps``). Returns how many
-        were asked: what a test prints when a request hangs."""
+    def _group(self) -> list[tuple[int, str]]:
+        """(pid, comm) of every live process in the engine's process group."""
         if self.proc is None or self.proc.poll() is not None:
-            return 0
-        asked = 0
+            return []
+        found = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 head, _, rest = stat.read_text().rpartition(")")
                 comm, pgid = head.partition("(")[2], int(rest.split()[2])
             except (OSError, ValueError, IndexError):
                 continue  # a process that just ended
-            if pgid == self.proc.pid and comm.startswith("VLLM::Worker"):
+            if pgid == self.proc.pid:
+                found.append((int(stat.parent.name), comm))
+        return sorted(found)
+
+    def dump_threads(self) -> int:
+        """Ask the engine's vLLM worker processes to print every thread's stack to the log
+        (SIGUSR1; the connector enables it, ``worker.enable_thread_dumps``). Returns how many
+        were asked: what a test prints when a request hangs."""
+        asked = 0
+        for pid, comm in self._group():
+            if comm.startswith("VLLM::Worker"):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(stat.parent.name), signal.SIGUSR1)
+                    os.kill(pid, signal.SIGUSR1)
                     asked += 1
         return asked
+
+    def thread_states(self) -> str:
+        """One line per thread of the engine's processes, as the kernel sees it: state, the
+        CPU it last ran on, CPU ticks used, the kernel function it sleeps in, and the
+        process's allowed CPUs. Two of these a few seconds apart tell a thread that is not
+        scheduled from one that waits, which a Python stack dump cannot."""
+        lines = [f"--- {self.name}"]
+        for pid, comm in self._group():
+            try:
+                allowed = next((ln.split(":", 1)[1].strip() for ln in
+                                Path(f"/proc/{pid}/status").read_text().splitlines()
+                                if ln.startswith("Cpus_allowed_list")), "?")
+            except OSError:
+                continue
+            lines.append(f"{pid} {comm} cpus={allowed}")
+            for task in sorted(Path(f"/proc/{pid}/task").glob("[0-9]*")):
+                try:
+                    head, _, rest = (task / "stat").read_text().rpartition(")")
+                    fields = rest.split()
+                    wchan = (task / "wchan").read_text().strip() or "-"
+                    affinity = sorted(os.sched_getaffinity(int(task.name)))
+                except (OSError, IndexError):
+                    continue
+                # fields[0] is field 3 of proc(5): state; utime 14, stime 15, processor 39
+                lines.append(f"  {task.name} {head.partition('(')[2]:<16} {fields[0]} "
+                             f"cpu={fields[36]} ticks={int(fields[11]) + int(fields[12])} "
+                             f"wchan={wchan} affinity={affinity}")
+        return "\n".join(lines)
 
     def stop(self, timeout: float = 15.0) -> None:
         """:meth:`terminate`, wait up to ``timeout``, SIGKILL what is left of the group.
