@@ -339,13 +339,23 @@ def test_wait_for_layer_send_times_out_clearly(engines: tuple[HostEngine, HostEn
 
 
 def test_decode_restart_rehandshakes_and_fails_the_outstanding_gate(
-        engines: tuple[HostEngine, HostEngine], tmp_path: Path) -> None:
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     """S5 + W1 (known failure 2): Decode restarts on the same port while a READY is
-    outstanding. The gate fails instead of hanging; the next READY goes over a new
-    connection after a new MF_META."""
+    outstanding. The gate fails instead of hanging, naming the lost connection, and counts
+    as settled (its reader will not answer); the next READY goes over a new connection
+    after a new MF_META."""
     pe, de = engines
     ptr = Tracer(tmp_path / "p.jsonl", "p0", role="prefill")
+    gate_failed = threading.Event()
+
+    def p_observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        ptr(machine, key, event, src, dst, args)
+        if dst == "failed":
+            gate_failed.set()
+
     p = make_prefill(pe, 1, 1, ptr)
+    p.tracer = p_observe  # type: ignore[assignment]  # the core's observer only
     d = make_decode(de, 1)
     waiting = threading.Event()
 
@@ -363,9 +373,16 @@ def test_decode_restart_rehandshakes_and_fails_the_outstanding_gate(
         pw.schedule_chunk("old", 4, True)
         run_layers(pw, p, 1, [1], [1], 1)
         assert waiting.wait(WAIT)  # the READY is held on Decode: its gate is outstanding
-        first.close()  # "restart": the process holding the port goes away
+        assert pw.layer_settled(0) is False
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            first.close()  # "restart": the process holding the port goes away
+            assert gate_failed.wait(WAIT)
+        lost = f"connection to Decode 127.0.0.1:{port} dropped"
+        assert f"prefill rank 0: {lost}" in caplog.messages
+        assert pw.layer_settled(0) is True  # failed, waiting to be observed (S4)
+        assert pw.stats.peers_lost == 1
         t0 = time.monotonic()
-        with pytest.raises(LayerSendError, match="S4: layer 0 cannot be written.*S5"):
+        with pytest.raises(LayerSendError, match=f"S4: layer 0 cannot be written.*S5: {lost}"):
             pw.wait_for_layer_send(0, WAIT)
         assert time.monotonic() - t0 < WAIT
 
@@ -802,3 +819,134 @@ def test_curve_lets_only_authorised_prefills_reach_decode(
         ctx.term()
     with pytest.raises(ControlPlaneError, match="server_public"):
         PrefillWorker(p.core(), curve=client)
+
+
+# --------------------------------------------------------------------------- test strength
+# (issue 12) What the mutation run found unguarded in the control plane: each test states
+# what a caller or an operator observes.
+
+
+def test_throttled_warnings_say_how_many_they_stood_for(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """One warning per kind per interval, and the next one says how many it stood for, so an
+    operator sees the size of a flood without the flood; kinds are throttled apart."""
+    from types import SimpleNamespace
+
+    from sfa_rd2h.runtime import control as control_mod
+
+    now = [100.0]
+    monkeypatch.setattr(control_mod, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    warn = control_mod._Throttled().warn
+    every = control_mod._WARN_EVERY_S
+    with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+        assert warn("framing", "bad frame from %s", "p0") is True
+        now[0] += every - 0.001
+        assert warn("framing", "bad frame from %s", "p1") is False
+        assert warn("framing", "bad frame from %s", "p2") is False
+        assert warn("other", "other kind %d", 7) is True
+        now[0] = 100.0 + every  # exactly one interval after the last one logged
+        assert warn("framing", "bad frame from %s", "p3") is True
+        now[0] += every
+        assert warn("framing", "bad frame from %s", "p4") is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad frame from p0", "other kind 7", "bad frame from p3 (2 more like it suppressed)",
+        "bad frame from p4"]
+
+
+def test_an_aborted_request_finishes_failed_with_its_reason(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """C1, R1: vLLM aborts a registered request (or its rendezvous failed): the rank reports
+    a failed local outcome at once, the agreed terminal status carries the reason, and a
+    second abort or an abort of an unknown request changes nothing."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    _, de = engines
+    d = make_decode(de, 1)
+    readies: list[RequestReady] = []
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, on_ready=readies.append)
+    try:
+        dw.register_request("r", [1], [1])
+        assert dw.local_outcome("r") is None
+        dw.abort_request("r", "rendezvous failed")
+        assert readies == [RequestReady("r", False)]
+        assert dw.local_outcome("r") is False
+        [finished] = dw.apply_agreement("r", False)
+        assert not finished.ok and "rendezvous failed" in (finished.error or "")
+        dw.abort_request("r", "again")
+        dw.abort_request("never-registered", "x")
+        assert readies == [RequestReady("r", False)]
+    finally:
+        dw.close()
+
+
+def test_agreement_rounds_on_the_callers_thread() -> None:
+    """The vLLM connector drives agreement itself, once per step (``round``): each round
+    contributes the outcomes notified since the last one as the core states them, returns
+    the terminal status of what the group agreed, and counts itself; ``wait_fresh`` says
+    whether a notified outcome awaits the next round."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    class Worker:
+        outcomes = {"a": False, "b": True}  # "c" is notified but not yet locally terminal
+        applied: list[tuple[str, bool]] = []
+
+        def local_outcome(self, ext: str) -> bool | None:
+            return self.outcomes.get(ext)
+
+        def apply_agreement(self, ext: str, ok: bool) -> list[RequestFinished]:
+            self.applied.append((ext, ok))
+            return [RequestFinished(ext, ok, None if ok else f"{ext} failed")]
+
+    loop = AgreementLoop(SingleRankGroup())
+    worker = Worker()
+    assert loop.wait_fresh(0.01) is False
+    for ext in ("b", "a", "c"):
+        loop.notify(RequestReady(ext, True))
+    assert loop.wait_fresh(0.01) is True
+    finished = loop.round(worker)  # type: ignore[arg-type]
+    assert finished == [RequestFinished("a", False, "a failed"), RequestFinished("b", True, None)]
+    assert worker.applied == [("a", False), ("b", True)]
+    assert loop.agreed == {"a": False, "b": True} and loop.rounds == 1
+    assert loop.wait_fresh(0.01) is False
+    assert loop.round(worker) == [] and loop.rounds == 2  # type: ignore[arg-type]
+
+
+def test_a_request_in_two_chunks_through_the_compute_api(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """C2 from the compute thread: a prompt computed in two steps, the second step's block
+    allocated later (``extend_request``); ``chunk`` gives the blocks each step computes,
+    ``layer_settled`` whether the layer's reader is still outstanding, and every byte of
+    both chunks lands. ``finish_request`` says whether the request was still tracked."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    loop = AgreementLoop(SingleRankGroup())
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, on_ready=loop.notify,
+                      on_finished=d.on_finished)
+    loop.start(dw, until=lambda agreed: "r" in agreed)
+    pw = PrefillWorker(p.core())
+    try:
+        pw.add_request("r", params(dw.port), [5, 6], [1, 2])
+        assert pw.chunk("r") is None and pw.chunk("unknown") is None
+        pw.schedule_chunk("r", 2 * BLOCK, False)
+        assert pw.chunk("r") == (0, 2)
+        run_layers(pw, p, 1, [5, 6], [1, 2], 1)
+        # Decode holds the READY until the request's destinations are registered (C1).
+        assert pw.layer_settled(0) is False
+        dw.register_request("r", [10, 11, 12], [13, 14, 15])
+        pw.wait_for_layer_send(0, WAIT)
+        assert pw.layer_settled(0) is True
+        pw.extend_request("r", [7], [3])
+        pw.schedule_chunk("r", 2 * BLOCK + 1, True)
+        assert pw.chunk("r") == (2, 3)
+        run_layers(pw, p, 1, [7], [3], 1)
+        assert d.wait_finished("r").ok
+        d.check(0, 1, [10, 11, 12], [13, 14, 15])
+        assert pw.drain(WAIT) == []
+        assert pw.finish_request("r") is False  # its final chunk was published: forgotten
+        pw.add_request("s", params(dw.port), [8], [4])
+        assert pw.finish_request("s") is True and pw.chunk("s") is None
+    finally:
+        pw.close()
+        loop.close()
+        dw.close()

@@ -194,3 +194,28 @@ def test_undetected_mutants_are_run_again_detected_ones_keep_their_result(
     data = json.loads(meta.read_text())
     assert data["exit_code_by_key"] == {"k1": 1, "k2": None, "k3": None, "k4": 36}
     assert data["hash_by_function_name"] == {"x_f": "abc"}
+
+
+def test_mutants_option_narrows_the_mutmut_run(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mutants GLOB`` hands the patterns to ``mutmut run``, which then tests only the
+    matching mutants; without it mutmut gets no names (every untested mutant)."""
+    import subprocess
+
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(mutation.subprocess, "run", fake_run)
+    parser = argparse.ArgumentParser()
+    mutation.add_mutation_parser(parser.add_subparsers())
+    args = parser.parse_args(["mutation", "--mutants", "sfa_rd2h.spec.wire.*",
+                              "--mutants", "sfa_rd2h.spec.layout.x_a*", "--max-children", "1"])
+    assert args.mutants == ["sfa_rd2h.spec.wire.*", "sfa_rd2h.spec.layout.x_a*"]
+    assert mutation.run_mutmut(tmp_path, 1, args.mutants) == 0
+    assert mutation.run_mutmut(tmp_path, 1) == 0
+    assert [c[1:] for c in calls] == [
+        ["run", "--max-children", "1", "sfa_rd2h.spec.wire.*", "sfa_rd2h.spec.layout.x_a*"],
+        ["run", "--max-children", "1"]]

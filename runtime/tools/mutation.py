@@ -21,6 +21,10 @@ the first failure.
     sfa-rd2h mutation                      # the full run (about an hour on 2 cores)
     sfa-rd2h mutation --only runtime/tp_group.py   # one file, a few minutes
     sfa-rd2h mutation --report [--json]    # the last run's score and survivors, no run
+
+mutmut tests the mutants of all staged files cheapest first, across files; ``--mutants``
+narrows a run to some of them (by mutmut's name, e.g. ``sfa_rd2h.spec.wire.*``) without
+re-staging, so the statistics of the other staged files are kept.
 """
 
 from __future__ import annotations
@@ -354,7 +358,7 @@ def mutmut_env(stage_dir: Path) -> dict[str, str]:
     return env
 
 
-def run_mutmut(stage_dir: Path, max_children: int) -> int:
+def run_mutmut(stage_dir: Path, max_children: int, names: Sequence[str] = ()) -> int:
     exe = Path(sys.executable).with_name("mutmut")
     if not exe.exists():
         found = shutil.which("mutmut")
@@ -363,7 +367,7 @@ def run_mutmut(stage_dir: Path, max_children: int) -> int:
                   file=sys.stderr)
             return 2
         exe = Path(found)
-    cmd = [str(exe), "run", "--max-children", str(max_children)]
+    cmd = [str(exe), "run", "--max-children", str(max_children), *names]
     return subprocess.run(cmd, cwd=stage_dir, env=mutmut_env(stage_dir)).returncode
 
 
@@ -544,6 +548,10 @@ def add_mutation_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[], metavar="GLOB",
                    help="mutate only target files matching GLOB (repeatable), e.g. "
                         "runtime/tp_group.py")
+    p.add_argument("--mutants", action="append", default=[], metavar="GLOB",
+                   help="run only the mutants whose mutmut name matches GLOB (repeatable), "
+                        "e.g. 'sfa_rd2h.spec.wire.*', leaving the rest of the staged files "
+                        "as they are; matching mutants run again even if they have a result")
     p.add_argument("--report", action="store_true",
                    help="report the last run's results without running anything")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -568,7 +576,7 @@ def cmd_mutation(args: argparse.Namespace) -> int:
             return 2
         stage(root, stage_dir, files, TEST_FILES, args.fresh)
         t0 = time.monotonic()
-        rc = run_mutmut(stage_dir, args.max_children)
+        rc = run_mutmut(stage_dir, args.max_children, args.mutants)
         seconds = time.monotonic() - t0
         if rc != 0:
             print(f"mutmut exited with {rc}", file=sys.stderr)
