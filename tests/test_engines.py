@@ -24,6 +24,7 @@ import pytest
 
 from sfa_rd2h.runtime.engines import (
     EngineConfigError,
+    EngineError,
     EngineUnavailable,
     RegistrationError,
     TransferResult,
@@ -896,3 +897,130 @@ def test_a_region_overlapping_either_neighbour_is_refused() -> None:
         eng.register_memory(a + 20480, 32768 - 20480)  # and the gap up to the third
     finally:
         eng.close()
+
+
+# --------------------------------------------------------------------------- library wrappers
+# The Mooncake wrapper's own promises, against a stand-in library that answers as told: what
+# it hands the library, and how every refusal of the library reaches the caller (F2, X1).
+
+
+class _FakeMooncake:
+    """Stands in for ``mooncake.engine``: records every call, answers as the test sets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.answers: dict[str, Any] = {}  # method -> return value, or an exception to raise
+        fake = self
+
+        class TransferEngine:
+            def __getattr__(self, method: str) -> Any:
+                def call(*args: Any) -> Any:
+                    fake.calls.append((method, *args))
+                    got = fake.answers.get(method, 17001 if method == "get_rpc_port" else 0)
+                    if isinstance(got, Exception):
+                        raise got
+                    return got
+                return call
+
+        self.TransferEngine = TransferEngine
+
+
+def _mooncake(fake: _FakeMooncake, **kw: Any) -> Any:
+    from sfa_rd2h.runtime.engines.mooncake import MooncakeEngine
+
+    return MooncakeEngine(backend_module=fake, **kw)  # type: ignore[arg-type]
+
+
+def test_mooncake_wrapper_initializes_once_with_its_settings() -> None:
+    fake = _FakeMooncake()
+    eng = _mooncake(fake, protocol="rdma", metadata_server="etcd://m:1", device_name="mlx5_0")
+    assert eng.session_id == ""
+    assert eng.initialize("10.0.0.5", 7000) == "10.0.0.5:17001" == eng.session_id
+    assert eng.initialize("10.0.0.5", 7000) == "10.0.0.5:17001"  # once is enough
+    assert fake.calls == [("initialize", "10.0.0.5:7000", "etcd://m:1", "rdma", "mlx5_0"),
+                          ("get_rpc_port",)]
+    other = _FakeMooncake()
+    assert _mooncake(other).initialize() == "127.0.0.1:17001"
+    assert other.calls[0] == ("initialize", "127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+
+
+def test_mooncake_wrapper_reports_a_library_that_cannot_start() -> None:
+    fake = _FakeMooncake()
+    fake.answers["initialize"] = -1
+    eng = _mooncake(fake)
+    with pytest.raises(EngineUnavailable) as info:
+        eng.initialize("127.0.0.1")
+    assert str(info.value) == ("Mooncake initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp') "
+                               "returned -1")
+    fake.answers["initialize"] = RuntimeError("no NIC")
+    with pytest.raises(EngineUnavailable, match="^Mooncake initialize raised: no NIC$"):
+        eng.initialize("127.0.0.1")
+    assert eng.session_id == ""
+    with pytest.raises(EngineError, match="not initialised"):
+        eng.register_memory(0x1000, 64)
+    with pytest.raises(EngineError, match="not initialised"):
+        eng.unregister_memory(0x1000)
+    assert eng.batch_transfer_sync_read("h:1", [0x1000], [0x2000], [8]) == TransferResult.CLOSED
+    assert eng.last_error == "CLOSED: Mooncake engine is not initialised"
+
+
+def test_mooncake_wrapper_reads_and_registers_through_the_library() -> None:
+    fake = _FakeMooncake()
+    eng = _mooncake(fake)
+    eng.initialize()
+    dst = np.zeros(4096, dtype=np.uint8)
+    base = int(dst.ctypes.data)
+    eng.register_memory(base, 4096)
+    eng.register_memory(base, 4096)  # idempotent: the library is asked once
+    fake.calls.clear()
+    # Two descriptors contiguous on both sides reach the library as one, as Python ints.
+    assert eng.batch_transfer_sync_read("p:1", [base, base + 64], [0x9000, 0x9040],
+                                        [64, 32]) == 0
+    assert fake.calls == [("batch_transfer_sync_read", "p:1", [base], [0x9000], [96])]
+    assert all(type(v) is int for v in fake.calls[0][2] + fake.calls[0][3] + fake.calls[0][4])
+    fake.calls.clear()
+    assert eng.batch_transfer_sync_read("p:1", [], [], []) == 0  # nothing to move
+    assert eng.batch_transfer_sync_read("p:1", [base + 4090], [0x9000], [8]) == (
+        TransferResult.LOCAL_RANGE)
+    assert fake.calls == []  # refused before the library runs
+    fake.answers["batch_transfer_sync_read"] = -3
+    assert eng.batch_transfer_sync_read("p:1", [base], [0x9000], [8]) == TransferResult.BACKEND
+    assert eng.last_error == "BACKEND: Mooncake batch_transfer_sync_read returned -3"
+    fake.answers["batch_transfer_sync_read"] = OSError("peer reset")
+    assert eng.batch_transfer_sync_read("p:1", [base], [0x9000], [8]) == TransferResult.BACKEND
+    assert eng.last_error == "BACKEND: Mooncake read raised: peer reset"
+    # A registration the library refuses is not kept: asked again, the library is asked again.
+    other = np.zeros(64, dtype=np.uint8)
+    at = int(other.ctypes.data)
+    fake.answers["register_memory"] = -5
+    with pytest.raises(RegistrationError) as info:
+        eng.register_memory(at, 64)
+    assert str(info.value) == f"Mooncake register_memory(0x{at:x}, 64) returned -5"
+    fake.answers["register_memory"] = 0
+    fake.calls.clear()
+    eng.register_memory(at, 64)
+    assert fake.calls == [("register_memory", at, 64)]
+    fake.answers["unregister_memory"] = -2
+    with pytest.raises(RegistrationError) as info:
+        eng.unregister_memory(at)
+    assert str(info.value) == f"Mooncake unregister_memory(0x{at:x}) returned -2"
+    with pytest.raises(RegistrationError, match="no region is registered"):
+        eng.unregister_memory(0x10)
+
+
+def test_mooncake_wrapper_close_releases_every_region() -> None:
+    fake = _FakeMooncake()
+    eng = _mooncake(fake)
+    eng.initialize()
+    bufs = [np.zeros(64, dtype=np.uint8) for _ in range(3)]
+    addrs = sorted(int(b.ctypes.data) for b in bufs)
+    for a in addrs:
+        eng.register_memory(a, 64)
+    fake.answers["unregister_memory"] = RuntimeError("already gone")  # teardown goes on
+    fake.calls.clear()
+    eng.close()
+    assert fake.calls == [("unregister_memory", a) for a in addrs]
+    assert eng.session_id == ""
+    eng.close()  # idempotent
+    assert len(fake.calls) == 3
+    assert eng.batch_transfer_sync_read("p:1", [addrs[0]], [1], [8]) == TransferResult.CLOSED

@@ -304,17 +304,20 @@ def test_split_router_frames(frames: Any) -> None:
 @pytest.mark.parametrize(
     ("frames", "text"),
     [
-        ([b"id"], "expected identity and payload"),
-        ([b"id", b""], "got 0"),
-        ([b"id", b"a", b"b"], "got 2"),
-        ([b"", b"p"], "empty identity"),
-        ([b"id", "p"], "frames[1]: expected bytes"),
-        (b"idp", "expected a sequence of frames"),
+        ([b"id"], "router frames: expected identity and payload, got 1 frame(s)"),
+        ([b"id", b""], "router frames: expected exactly one non-empty payload frame, got 0"),
+        ([b"id", b"a", b"b"],
+         "router frames: expected exactly one non-empty payload frame, got 2"),
+        ([b"", b"p"], "router frames[0]: empty identity"),
+        ([b"id", "p"], "router frames[1]: expected bytes, got str 'p'"),
+        (b"idp", "router frames: expected a sequence of frames, got bytes b'idp'"),
     ],
 )
 def test_split_router_frames_rejects(frames: Any, text: str) -> None:
-    with pytest.raises(WireError, match=re.escape(text)):
+    """The whole message: it names the frame and shows the offending value."""
+    with pytest.raises(WireError) as info:
         split_router_frames(frames)
+    assert str(info.value) == text
 
 
 # ------------------------------------------------------------------ F3 handshake
@@ -400,6 +403,10 @@ def test_version_mismatch_names_both_versions() -> None:
         check_meta_ack(MfMetaAck(True, 9))
     with pytest.raises(VersionMismatch, match="decode speaks layout version 2"):
         check_meta_ack(MfMetaAck(True, 1, 2))
+    # A refusal without a reason still says it was refused, and that no reason came.
+    with pytest.raises(VersionMismatch) as info:
+        check_meta_ack(decode_meta_reply(pack([MF_META_ACK, 0, 1, ""])))
+    assert str(info.value) == "F3: decode refused the handshake: no reason given"
 
 
 def test_refused_legacy_meta_is_not_a_raw_ack() -> None:
@@ -668,7 +675,9 @@ MALFORMED: list[tuple[str, Any, str]] = [
         "protocol_version: expected int, got bool",
     ),
     ("ack-short", pack([MF_META_ACK, 0, 1]), "mf_meta_ack: expected at least 4 in a refusal"),
-    ("ack-str", pack([MF_META_ACK, "yes"]), "mf_meta_ack: expected a version or a bool"),
+    ("ack-str", pack([MF_META_ACK, "yes", 1]),
+     "mf_meta_ack: expected a version or a bool, got list ['yes']"),
+    ("ack-empty", pack([MF_META_ACK]), "mf_meta_ack: expected a version or a bool, got list []"),
     ("ack-version-neg", pack([MF_META_ACK, True, -1, 1, ""]), "protocol_version: -1 is out"),
 ]
 

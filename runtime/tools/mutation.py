@@ -72,6 +72,7 @@ TEST_FILES = (
     "tests/test_wire.py",
     "tests/test_layout.py",
     "tests/test_engines.py",
+    "tests/test_engine_small_batch.py",
     "tests/test_metaserver.py",
     "tests/test_tp_group.py",
     "tests/test_control.py",
