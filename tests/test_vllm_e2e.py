@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -255,8 +256,12 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
         for server in env.dep.servers.values():
             server.dump_threads()
         for _ in range(2):
+            # per-CPU user/nice/system/idle/iowait/irq/softirq/steal ticks: a core that
+            # is busy, idle or stolen while the threads pinned to it do not run
+            cpus = [ln for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith("cpu")]
             states.append(f"at {time.monotonic() - t0:.0f} s:\n" + "\n".join(
-                s.thread_states() for s in env.dep.servers.values()))
+                [*cpus, *(s.thread_states() for s in env.dep.servers.values())]))
             if stop.wait(5.0):
                 return
 
