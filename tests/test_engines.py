@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import enum
 import json
 import multiprocessing as mp
 import os
@@ -905,11 +906,19 @@ def test_a_region_overlapping_either_neighbour_is_refused() -> None:
 
 
 class _FakeMooncake:
-    """Stands in for ``mooncake.engine``: records every call, answers as the test sets."""
+    """Stands in for ``mooncake.engine`` or ``memfabric_hybrid``: records every call on its
+    engines, answers as the test sets."""
+
+    __name__ = "fake_library"
+
+    class TransDataOpType(enum.Enum):
+        SDMA = 1
+        DEVICE_RDMA = 3
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.answers: dict[str, Any] = {}  # method -> return value, or an exception to raise
+        self.last_error: Any = "no peer at that session"  # or an exception to raise
         fake = self
 
         class TransferEngine:
@@ -923,6 +932,11 @@ class _FakeMooncake:
                 return call
 
         self.TransferEngine = TransferEngine
+
+    def get_last_err_msg(self) -> str:
+        if isinstance(self.last_error, Exception):
+            raise self.last_error
+        return str(self.last_error)
 
 
 def _mooncake(fake: _FakeMooncake, **kw: Any) -> Any:
@@ -1024,3 +1038,131 @@ def test_mooncake_wrapper_close_releases_every_region() -> None:
     eng.close()  # idempotent
     assert len(fake.calls) == 3
     assert eng.batch_transfer_sync_read("p:1", [addrs[0]], [1], [8]) == TransferResult.CLOSED
+
+
+def _memfabric(fake: _FakeMooncake, **kw: Any) -> MemFabricEngine:
+    return MemFabricEngine(backend_module=fake, **kw)  # type: ignore[arg-type]
+
+
+def test_memfabric_wrapper_refuses_a_configuration_the_library_cannot_take() -> None:
+    fake = _FakeMooncake()
+    for kw, text in (
+        ({"role": "both"}, "MemFabric role must be 'Prefill' or 'Decode', not 'both'"),
+        ({"role": "decode", "store_server_role": "store"},
+         "MemFabric role must be 'Prefill' or 'Decode', not 'store'"),
+        ({"role": "decode", "device_id": -1}, "MemFabric device id must be >= 0, not -1"),
+        ({"role": "decode", "data_op_type": "PIGEON"},
+         "MemFabric data_op_type 'PIGEON' is not one of ['DEVICE_RDMA', 'SDMA']"),
+    ):
+        with pytest.raises(EngineConfigError) as info:
+            _memfabric(fake, **kw)
+        assert str(info.value) == text
+    assert fake.calls == []
+
+
+def test_memfabric_wrapper_hands_the_library_its_settings_and_shares_one_binding() -> None:
+    """F4: the first handle initialises the library with every setting; a second handle of
+    the same configuration shares it; the last close tears it down, every step of it."""
+    fake = _FakeMooncake()
+    first = _memfabric(fake, role="DECODE", device_id=3, store_url="tcp://10.0.0.1:6650",
+                       data_op_type="DEVICE_RDMA", store_server_role="prefill", nic="eth1")
+    second = _memfabric(fake, role="Decode", device_id=3)
+    try:
+        assert first.session_id == ""
+        assert first.initialize("127.0.0.1", 7000) == "127.0.0.1:7000" == first.session_id
+        assert fake.calls == [("initialize", "tcp://10.0.0.1:6650", "127.0.0.1:7000", "Decode",
+                               3, _FakeMooncake.TransDataOpType.DEVICE_RDMA, "Prefill",
+                               "eth1")]
+        assert bound_config() == "role=Decode device=3 hostname=127.0.0.1 backend=fake_library"
+        assert second.initialize("127.0.0.1") == "127.0.0.1:7000"  # shared, not re-made
+        assert second.initialize("127.0.0.1", 7000) == "127.0.0.1:7000"
+        with pytest.raises(EngineConfigError) as info:
+            second.initialize("127.0.0.1", 7001)
+        assert str(info.value) == ("F4: the process-wide MemFabric engine serves "
+                                   "127.0.0.1:7000; it cannot also serve port 7001")
+        third = _memfabric(fake, role="Decode", device_id=4)
+        with pytest.raises(EngineConfigError) as info:
+            third.initialize("127.0.0.1")
+        assert str(info.value) == (
+            "F4: the process-wide MemFabric engine is bound to [role=Decode device=3 "
+            "hostname=127.0.0.1 backend=fake_library]; it cannot be re-configured as "
+            "[role=Decode device=4 hostname=127.0.0.1 backend=fake_library]")
+        assert len(fake.calls) == 1
+        fake.answers["destroy"] = RuntimeError("device busy")  # the next step still runs
+        first.close()
+        assert bound_config() is not None and len(fake.calls) == 1  # second still uses it
+        first.close()  # a closed handle does not release the other's share
+        assert bound_config() is not None
+    finally:
+        second.close()
+    assert bound_config() is None
+    assert [c[0] for c in fake.calls[1:]] == ["destroy", "unInitialize"]
+
+
+def test_memfabric_wrapper_reports_what_the_library_refused_and_why() -> None:
+    fake = _FakeMooncake()
+    eng = _memfabric(fake, role="Decode", store_url="tcp://10.0.0.1:6650")
+    fake.answers["initialize"] = -7
+    with pytest.raises(EngineUnavailable) as info:
+        eng.initialize("127.0.0.1", 7000)
+    config = "role=Decode device=0 hostname=127.0.0.1 backend=fake_library"
+    assert str(info.value) == (f"MemFabric initialize returned -7 for [{config}] "
+                               "session=127.0.0.1:7000 store=tcp://10.0.0.1:6650: "
+                               "no peer at that session")
+    fake.answers["initialize"] = RuntimeError("driver missing")
+    with pytest.raises(EngineUnavailable) as info:
+        eng.initialize("127.0.0.1", 7000)
+    assert str(info.value) == (f"MemFabric initialize raised for [{config}] "
+                               "store=tcp://10.0.0.1:6650: driver missing")
+    assert bound_config() is None and eng.session_id == ""
+    with pytest.raises(EngineError, match="not initialised"):
+        eng.register_memory(0x1000, 64)
+    assert eng.batch_transfer_sync_read("h:1", [1], [1], [1]) == TransferResult.CLOSED
+    assert eng.last_error == "CLOSED: MemFabric engine is not initialised"
+    fake.answers["initialize"] = 0
+    eng.initialize("127.0.0.1", 7000)
+    try:
+        buf = np.zeros(128, dtype=np.uint8)
+        at = int(buf.ctypes.data)
+        fake.answers["register_memory"] = -1
+        with pytest.raises(RegistrationError) as info:
+            eng.register_memory(at, 128)
+        assert str(info.value) == (f"MemFabric register_memory(0x{at:x}, 128) returned -1: "
+                                   "no peer at that session")
+        fake.answers["register_memory"] = 0
+        eng.register_memory(at, 128)  # refused before, so asked again
+        fake.answers["batch_transfer_sync_read"] = 5  # positive codes are failures too
+        fake.last_error = RuntimeError("the diagnostics call itself fails")
+        assert eng.batch_transfer_sync_read("h:1", [at], [0x5000], [64]) == (
+            TransferResult.BACKEND)
+        assert eng.last_error == "BACKEND: MemFabric batch_transfer_sync_read returned 5: no detail"
+        fake.last_error = "link down"
+        fake.answers["unregister_memory"] = -3
+        with pytest.raises(RegistrationError) as info:
+            eng.unregister_memory(at)
+        assert str(info.value) == f"MemFabric unregister_memory(0x{at:x}) returned -3: link down"
+        eng.register_memory(at, 128)
+        fake.answers["unregister_memory"] = OSError("gone")
+        with pytest.raises(RegistrationError) as info:
+            eng.unregister_memory(at)
+        assert str(info.value) == "MemFabric unregister_memory raised: gone"
+    finally:
+        eng.close()
+
+
+def test_memfabric_needs_an_npu_even_when_its_library_imports(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sfa_rd2h.runtime.engines import memfabric as mf
+
+    library = type(sys)("memfabric_hybrid")
+    monkeypatch.setitem(sys.modules, "memfabric_hybrid", library)
+    monkeypatch.setattr(mf.glob, "glob", lambda pattern: [])
+    with pytest.raises(EngineUnavailable) as info:
+        mf.load_memfabric()
+    assert str(info.value) == (
+        "memfabric engine unavailable: memfabric_hybrid is installed but no Ascend NPU is "
+        "visible (no /dev/davinci* device); use the 'host' engine on this machine")
+    seen: list[str] = []
+    monkeypatch.setattr(mf.glob, "glob", lambda pattern: seen.append(pattern) or [pattern])
+    assert mf.load_memfabric() is library
+    assert seen == ["/dev/davinci[0-9]*"]

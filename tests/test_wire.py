@@ -182,16 +182,34 @@ def test_ready_frames_are_the_bytes_of_the_message(entries: list[ReadReq], done:
         assert frames.encode(layer, name, d) == encode(msg)
 
 
+def _refusal(build: Any) -> str:
+    with pytest.raises(WireError) as info:
+        build()
+    return str(info.value)
+
+
 def test_ready_frames_refuse_what_the_message_refuses() -> None:
-    with pytest.raises(WireError, match="group_member_idx"):
-        ReadyFrames((), 2, 2)
-    frames = ReadyFrames((ReadReq("a", (1,), (2,)),))
-    with pytest.raises(WireError, match="layer_idx"):
-        frames.encode(MAX_LAYER_IDX + 1, "l")
-    with pytest.raises(WireError, match="layer_name"):
-        frames.encode(0, "")
-    with pytest.raises(WireError, match="done_ext_ids"):
-        frames.encode(0, "l", ("",))
+    """In the message's own words."""
+    assert _refusal(lambda: ReadyFrames((), 2, 2)) == _refusal(
+        lambda: ReadReadyBatch(0, "l", (), (), 2, 2)) == (
+        "group_member_idx: 2 must be below tp_ratio=2")
+    entry = ReadReq("a", (1,), (2,))
+    frames = ReadyFrames((entry,))
+    for args in ((MAX_LAYER_IDX + 1, "l", ()), (0, "", ()), (0, "l", ("",))):
+        assert _refusal(lambda a=args: frames.encode(*a)) == _refusal(
+            lambda a=args: ReadReadyBatch(a[0], a[1], (entry,), a[2]))
+    assert _refusal(lambda: frames.encode(-1, "l")) == "layer_idx: -1 is out of range [0, 65535]"
+    assert _refusal(lambda: frames.encode(0, "")) == "layer_name: must not be empty"
+
+
+def test_ready_frames_default_to_a_single_contributor() -> None:
+    """Without a member index and ratio, the frames are those of a group of one (W4)."""
+    entry = ReadReq("a", (1,), (2,), 3, 4)
+    frames = ReadyFrames([entry])
+    assert (frames.read_reqs, frames.group_member_idx, frames.tp_ratio) == ((entry,), 0, 1)
+    assert frames.encode(5, "l5", ("a",)) == encode(ReadReadyBatch(5, "l5", (entry,), ("a",)))
+    grouped = ReadyFrames([entry], 1, 4)
+    assert (grouped.group_member_idx, grouped.tp_ratio) == (1, 4)
 
 
 def test_layer_order_is_preserved() -> None:
