@@ -1166,3 +1166,84 @@ def test_memfabric_needs_an_npu_even_when_its_library_imports(
     monkeypatch.setattr(mf.glob, "glob", lambda pattern: seen.append(pattern) or [pattern])
     assert mf.load_memfabric() is library
     assert seen == ["/dev/davinci[0-9]*"]
+
+
+# --------------------------------------------------------------------------- host engine API
+
+
+def test_host_engine_modes_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mode is validated, and the engine says why it reads the way it does."""
+    with pytest.raises(EngineConfigError) as info:
+        HostEngine(mode="rdma")
+    assert str(info.value) == "host engine mode must be auto, cma or shm, not 'rdma'"
+    shm = HostEngine(mode="shm")
+    try:
+        assert (shm.mode, shm.mode_reason) == ("shm", "forced shm")
+    finally:
+        shm.close()
+    monkeypatch.setattr(host_mod, "cma_status", lambda: (False, "yama ptrace_scope=3"))
+    with pytest.raises(EngineUnavailable) as info:
+        HostEngine(mode="cma")
+    assert str(info.value) == "host engine: CMA is not permitted here (yama ptrace_scope=3)"
+    auto = HostEngine(mode="auto")
+    try:
+        assert (auto.mode, auto.mode_reason) == ("shm", "yama ptrace_scope=3")
+    finally:
+        auto.close()
+    monkeypatch.setattr(host_mod, "cma_status", lambda: (True, "no Yama LSM"))
+    for mode in ("auto", "cma"):
+        eng = HostEngine(mode=mode)
+        try:
+            assert (eng.mode, eng.mode_reason) == ("cma", "no Yama LSM")
+        finally:
+            eng.close()
+
+
+def test_host_engine_serves_one_address_and_refuses_use_after_close() -> None:
+    eng = HostEngine(timeout=1.0)
+    try:
+        assert eng.session_id == ""
+        session = eng.initialize("127.0.0.1")
+        port = int(session.rsplit(":", 1)[1])
+        assert session == eng.session_id == f"127.0.0.1:{port}"
+        assert eng.initialize("127.0.0.1") == session  # again: the same listener
+        assert eng.initialize("127.0.0.1", port) == session
+        with pytest.raises(EngineConfigError) as info:
+            eng.initialize("127.0.0.1", port + 1)
+        assert str(info.value) == (f"host engine already serves {session}; cannot also serve "
+                                   f"127.0.0.1:{port + 1}")
+        with pytest.raises(EngineConfigError, match="already serves"):
+            eng.initialize("localhost", port)
+        other = HostEngine()
+        try:
+            with pytest.raises(EngineConfigError,
+                               match=f"^host engine cannot listen on 127.0.0.1:{port}: "):
+                other.initialize("127.0.0.1", port)
+        finally:
+            other.close()
+        with pytest.raises(RegistrationError, match="^cannot allocate 0 bytes$"):
+            eng.allocate(0)
+    finally:
+        eng.close()
+    for use in (lambda: eng.initialize("127.0.0.1"), lambda: eng.allocate(64),
+                lambda: eng.register_memory(0x1000, 64)):
+        with pytest.raises(EngineError, match="^host engine is closed$"):
+            use()
+    assert eng.batch_transfer_sync_read(session, [1], [1], [1]) == TransferResult.CLOSED
+    assert eng.last_error == "CLOSED: host engine is closed"
+
+
+def test_host_engine_serves_ipv6_sessions_in_brackets() -> None:
+    owner, reader = HostEngine(timeout=2.0), HostEngine(timeout=2.0)
+    try:
+        session = owner.initialize("::1")
+        assert session.startswith("[::1]:")
+        src = pattern(4096, 9).copy()
+        owner.register_memory(int(src.ctypes.data), src.nbytes)
+        dst, base = _dest(reader, 4096)
+        assert reader.batch_transfer_sync_read(session, [base], [int(src.ctypes.data)],
+                                               [4096]) == 0, reader.last_error
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        reader.close()
+        owner.close()

@@ -949,6 +949,19 @@ def test_encode_refuses_a_frame_over_max_frame_bytes() -> None:
         encode(too_big)
 
 
+def test_ready_frames_refuse_a_frame_over_max_frame_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """W5 when sending, on Prefill's per-layer path too: a READY of exactly the limit goes
+    out, one byte more is refused, naming its size and the limit."""
+    frames = ReadyFrames((ReadReq("a", (1, 2), (3,)),))
+    size = len(frames.encode(7, "l7", ("a",)))
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size)
+    assert len(frames.encode(7, "l7", ("a",))) == size
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size - 1)
+    assert _refusal(lambda: frames.encode(7, "l7", ("a",))) == (
+        f"encoded ReadReadyBatch is {size} bytes, over MAX_FRAME_BYTES={size - 1}")
+
+
 # The decoder proves all block ids of a READY valid in one C-level pass and only falls back
 # to the per-list checks when that pass fails; the refusal must be the per-list one, word
 # for word, wherever the offending id sits (bools pass the C pass as 0/1 and are caught by
