@@ -1171,32 +1171,27 @@ def test_memfabric_needs_an_npu_even_when_its_library_imports(
 # --------------------------------------------------------------------------- host engine API
 
 
+def _mode_and_reason(mode: str) -> tuple[str, str]:
+    eng = HostEngine(mode=mode)
+    try:
+        return eng.mode, eng.mode_reason
+    finally:
+        eng.close()
+
+
 def test_host_engine_modes_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mode is validated, and the engine says why it reads the way it does."""
     with pytest.raises(EngineConfigError) as info:
         HostEngine(mode="rdma")
     assert str(info.value) == "host engine mode must be auto, cma or shm, not 'rdma'"
-    shm = HostEngine(mode="shm")
-    try:
-        assert (shm.mode, shm.mode_reason) == ("shm", "forced shm")
-    finally:
-        shm.close()
+    assert _mode_and_reason("shm") == ("shm", "forced shm")
     monkeypatch.setattr(host_mod, "cma_status", lambda: (False, "yama ptrace_scope=3"))
     with pytest.raises(EngineUnavailable) as info:
         HostEngine(mode="cma")
     assert str(info.value) == "host engine: CMA is not permitted here (yama ptrace_scope=3)"
-    auto = HostEngine(mode="auto")
-    try:
-        assert (auto.mode, auto.mode_reason) == ("shm", "yama ptrace_scope=3")
-    finally:
-        auto.close()
+    assert _mode_and_reason("auto") == ("shm", "yama ptrace_scope=3")
     monkeypatch.setattr(host_mod, "cma_status", lambda: (True, "no Yama LSM"))
-    for mode in ("auto", "cma"):
-        eng = HostEngine(mode=mode)
-        try:
-            assert (eng.mode, eng.mode_reason) == ("cma", "no Yama LSM")
-        finally:
-            eng.close()
+    assert _mode_and_reason("auto") == _mode_and_reason("cma") == ("cma", "no Yama LSM")
 
 
 def test_host_engine_serves_one_address_and_refuses_use_after_close() -> None:
