@@ -1242,3 +1242,81 @@ def test_host_engine_serves_ipv6_sessions_in_brackets() -> None:
     finally:
         reader.close()
         owner.close()
+
+
+# --------------------------------------------------------------------------- shared checks
+
+
+@pytest.mark.parametrize(("session", "parsed"), [
+    ("127.0.0.1:5000", ("127.0.0.1", 5000)),
+    ("[::1]:1", ("::1", 1)),
+    ("host.example:65535", ("host.example", 65535)),
+    ("h:0", None), ("h:65536", None), (":5000", None), ("h:", None), ("h:-1", None),
+    ("h5000", None), ("h:50a", None), ("[]:80", None), (5000, None), (None, None),
+])
+def test_a_session_is_host_colon_port(session: Any, parsed: Any) -> None:
+    from sfa_rd2h.runtime.engines.base import parse_session
+
+    assert parse_session(session) == parsed
+
+
+def test_a_region_is_a_positive_range_inside_the_address_space() -> None:
+    from sfa_rd2h.runtime.engines.base import RegionSet, check_region
+
+    assert check_region(1, 2**64 - 2) == (1, 2**64 - 2)  # ends at the last byte
+    for addr, n, text in ((0, 8, "invalid region: addr=0x0 length=8"),
+                          (16, 0, "invalid region: addr=0x10 length=0"),
+                          (-16, 8, "invalid region: addr=-0x10 length=8"),
+                          (16, -1, "invalid region: addr=0x10 length=-1"),
+                          (2, 2**64 - 2, f"invalid region: addr=0x2 length={2**64 - 2}")):
+        with pytest.raises(RegistrationError) as info:
+            check_region(addr, n)
+        assert str(info.value) == text
+    with pytest.raises(RegistrationError, match="^region address and length must be integers"):
+        check_region("0x10", 8)  # type: ignore[arg-type]
+    regions = RegionSet()
+    assert regions.add(0x1000, 0x100) is True
+    assert regions.add(0x1000, 0x100) is False  # the same region again
+    with pytest.raises(RegistrationError) as info:
+        regions.add(0x1000, 0x200)
+    assert str(info.value) == ("region 0x1000 is already registered with 256 bytes, not 512; "
+                               "unregister it first")
+    with pytest.raises(RegistrationError) as info:
+        regions.add(0x10ff, 1)
+    assert str(info.value) == "region [0x10ff, +1) overlaps the registered region [0x1000, +256)"
+    assert regions.add(0x1100, 1) and regions.add(0xfff, 1)  # touching is not overlapping
+    assert regions.snapshot() == ([0xfff, 0x1000, 0x1100], [1, 0x100, 1]) and len(regions) == 3
+    assert regions.remove(0x1000) == 0x100
+    with pytest.raises(RegistrationError, match=r"^no region is registered at 0x1000$"):
+        regions.remove(0x1000)
+    table = regions.table()
+    assert len(table) == 2
+    assert table.first_outside([0xfff, 0x1100], [1, 1]) is None
+    assert table.first_outside([0xfff, 0x1000], [1, 1]) == 1
+
+
+def test_a_refused_batch_says_which_descriptor_and_why() -> None:
+    eng = HostEngine()
+    try:
+        dst, base = _dest(eng, 64)
+        assert eng.batch_transfer_sync_read("h:1", [base, base + 60], [0, 0], [8, 8]) == (
+            TransferResult.LOCAL_RANGE)
+        assert eng.last_error == (
+            f"LOCAL_RANGE: descriptor 1: destination [0x{base + 60:x}, +8) is not inside "
+            "memory registered with the host engine")
+        many = np.full(20, base, dtype=np.uint64)  # the array path says it alike
+        many[7] = base + 64
+        assert eng.batch_transfer_sync_read("h:1", many, many, np.ones(20, np.uint64)) == (
+            TransferResult.LOCAL_RANGE)
+        assert eng.last_error == (
+            f"LOCAL_RANGE: descriptor 7: destination [0x{base + 64:x}, +1) is not inside "
+            "memory registered with the host engine")
+        assert eng.batch_transfer_sync_read("h1", [base], [0], [8]) == TransferResult.BAD_SESSION
+        assert eng.last_error == "BAD_SESSION: 'h1' is not host:port"
+        assert eng.batch_transfer_sync_read("h:1", [base], [0], [8, 8]) == (
+            TransferResult.BAD_DESCRIPTORS)
+        assert eng.last_error == ("BAD_DESCRIPTORS: descriptor arrays differ in length: "
+                                  "local=1 peer=1 lengths=2")
+        assert (dst == SENTINEL).all()
+    finally:
+        eng.close()

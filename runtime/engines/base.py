@@ -324,7 +324,7 @@ def check_region(addr: int, length: int) -> tuple[int, int]:
     except (TypeError, ValueError) as exc:
         raise RegistrationError(f"region address and length must be integers: {exc}") from exc
     if a <= 0 or n <= 0 or a + n > _U64_MAX:
-        raise RegistrationError(f"invalid region: addr=0x{a:x} length={n}")
+        raise RegistrationError(f"invalid region: addr={a:#x} length={n}")
     return a, n
 
 
