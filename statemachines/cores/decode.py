@@ -155,7 +155,6 @@ class DecodeCore:
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
         self.stats = DecodeStats()
-        self._layouts_ok: set[tuple[wire.LayerMeta, DestLayout]] = set()
 
     # ----------------------------------------------------------------- requests (C1)
     def register_request(self, ext_req_id: str, main_dest: Sequence[int],
@@ -306,7 +305,7 @@ class DecodeCore:
             side = "prefill MF_META" if src is None else "decode registration"
             return self._reject(ready, f"L1: layer {msg.layer_name!r} is missing from {side}")
         try:
-            self._checked_layout(src, dst)
+            self._validate_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
         empty = next((e.ext_req_id for e in msg.read_reqs
@@ -328,21 +327,11 @@ class DecodeCore:
             return self._await_destinations(ready, missing, now)
         return self._plan(ready, now)
 
-    def _checked_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
-        """L1 for a READY. The check is a function of the two layouts alone (frozen
-        values), so a pair that passed is remembered and not checked again per READY;
-        a pair that fails is checked (and refused) every time."""
-        key = (src, dst)
-        if key in self._layouts_ok:
-            return
-        self._validate_layout(src, dst)
-        if len(self._layouts_ok) >= _LAYOUTS_KEPT:
-            self._layouts_ok.clear()
-        self._layouts_ok.add(key)
-
     # Hooks: the model checker's seeded bugs override these, nothing else does.
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
-        validate_layer(src, dst)  # L1, before anything is planned
+        # L1 for every READY, before anything is planned; cheap, since spec.layout
+        # remembers the (source, destination) pairs that passed
+        validate_layer(src, dst)
 
     def _ratio_conflict(self, req: DecodeRequest, msg: wire.ReadReadyBatch) -> bool:
         # known failure 3: never trust the first ratio seen for a request
@@ -637,7 +626,6 @@ class DecodeCore:
 
 
 _OVERFLOW_BITS = 1 << 20
-_LAYOUTS_KEPT = 65536  # (source, destination) layout pairs remembered as valid (L1)
 # A layer with nothing to read plans nothing; its arrays are empty, so one plan serves all.
 _EMPTY_PLAN = ReadPlan.empty()
 
