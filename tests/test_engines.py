@@ -1320,3 +1320,99 @@ def test_a_refused_batch_says_which_descriptor_and_why() -> None:
         assert (dst == SENTINEL).all()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["python-ints", "arrays"])
+@pytest.mark.parametrize(("errno_name", "code"), [
+    ("ESRCH", TransferResult.PEER_GONE), ("EPERM", TransferResult.NOT_PERMITTED),
+    ("EFAULT", TransferResult.COPY_FAILED), (None, TransferResult.COPY_FAILED)])
+def test_a_failed_copy_is_a_failure_that_says_why(
+        monkeypatch: pytest.MonkeyPatch, small: bool, errno_name: str | None,
+        code: TransferResult) -> None:
+    """F2: whatever the kernel answers to the copy (the peer is gone, access refused, a bad
+    address, fewer bytes than asked), the read fails with the matching code and reason."""
+    import errno
+
+    owner, other, src, addr = _serving_pair()
+    try:
+        count = 2 if small else 20  # the small-batch path or the array path
+        dst, base = _dest(other, 128 * count)
+        local = [base + 128 * i for i in range(count)]  # gaps: nothing coalesces
+        peer = [addr + 64 * i for i in range(count)]
+        assert other.batch_transfer_sync_read(owner.session_id, local, peer,
+                                              [64] * count) == 0
+        err = getattr(errno, errno_name) if errno_name else 0
+        monkeypatch.setattr(host_mod, "_readv", lambda *a: (-1 if err else 10, err))
+        dst.fill(SENTINEL)
+        assert other.batch_transfer_sync_read(owner.session_id, local, peer,
+                                              [64] * count) == code
+        pid = os.getpid()
+        why = {"ESRCH": f"peer process {pid} is gone",
+               "EPERM": f"kernel refused process_vm_readv on pid {pid} ({cma_status()[1]})",
+               "EFAULT": os.strerror(errno.EFAULT),
+               None: f"short read: 10 of {64 * count} bytes"}[errno_name]
+        assert other.last_error == f"{code.name}: {why}"
+    finally:
+        other.close()
+        owner.close()
+
+
+def _stale(reply: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    return {**reply, key: value}
+
+
+@pytest.mark.parametrize(("tamper", "why"), [
+    (lambda r: _stale(r, "v", 2), "unusable registry reply from {s}: not a version-1 registry "
+                                  "reply"),
+    (lambda r: {"error": "busy"}, "unusable registry reply from {s}: not a version-1 registry "
+                                  "reply"),
+    (lambda r: _stale(r, "boot", "another-boot"), "{s} runs on another host; the host engine "
+                                                  "only reads locally"),
+    (lambda r: _stale(r, "pidns", r["pidns"] + 1), "{s} is in another pid namespace; CMA "
+                                                   "cannot address it"),
+    (lambda r: _stale(r, "lens", r["lens"][1:]), "unusable registry reply from {s}: ranges and "
+                                                 "lengths differ in count"),
+    (lambda r: _stale(r, "pid", 0), "registry at {s} refused: it names no valid pid (0)"),
+    (lambda r: _stale(r, "pid", "1"), "registry at {s} refused: it names no valid pid ('1')"),
+    (lambda r: _stale(r, "pid", os.getppid()), "registry at {s} refused: pid {ppid} does not "
+                                               "hold the registry socket that answered"),
+    (lambda r: _stale(r, "ctl", "sfa_rd2h.1.0.ctl"), "registry at {s} refused: segments "
+                                                     "['sfa_rd2h.1.0.ctl'] are not pid {pid}'s"),
+], ids=["version", "no-pid", "boot", "pidns", "lens", "pid-0", "pid-str", "pid-other", "ctl"])
+def test_a_registry_answer_that_cannot_be_used_is_named(tamper: Any, why: str) -> None:
+    """Whatever is wrong with a registry's answer, the read fails as unreachable and says
+    what was wrong, and nothing is copied."""
+    owner, other, src, addr = _serving_pair()
+    try:
+        dst, base = _dest(other, 64)
+        assert owner._server is not None
+        honest = owner._describe
+        owner._server._describe = lambda: tamper(honest())
+        ret = other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64])
+        assert ret == TransferResult.PEER_UNREACHABLE
+        text = why.format(s=owner.session_id, pid=os.getpid(), ppid=os.getppid())
+        assert other.last_error == f"PEER_UNREACHABLE: {text}"
+        assert (dst == SENTINEL).all()
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_the_registry_answers_only_describe() -> None:
+    eng = HostEngine(timeout=2.0)
+    try:
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as c:
+            c.settimeout(2.0)
+            host_mod._send_frame(c, {"op": "dump"})
+            assert host_mod._recv_frame(c) == {
+                "error": "unknown request; expected {'op': 'describe'}"}
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as c:
+            c.settimeout(2.0)
+            host_mod._send_frame(c, {"op": "describe"})
+            reply = host_mod._recv_frame(c)
+        assert reply["v"] == 1 and reply["pid"] == os.getpid()
+        assert reply["ctl"].startswith(f"sfa_rd2h.{os.getpid()}.")
+        assert reply["addrs"] == [] and reply["lens"] == [] and reply["shm"] == []
+    finally:
+        eng.close()
