@@ -392,6 +392,9 @@ def test_undecodable_meta_is_refused_not_ignored() -> None:
     assert old is not None and decode_meta_reply(old).layout_version == LAYOUT_VERSION
     assert meta_refusal(pack([READ_DONE, 1]), "x") is None
     assert meta_refusal(b"\xc1garbage", "x") is None
+    # An MF_META cut after its kind is still an MF_META, and still answered.
+    assert decode_meta_reply(meta_refusal(pack([MF_META]), "short") or b"").error == (
+        "W1: MF_META refused: short")
     # A str kind is another encoder's frame, not an MF_META (kinds are msgpack bin).
     assert meta_refusal(pack(["mf_meta", "h:1", b"x"]), "x") is None
 
