@@ -1416,3 +1416,55 @@ def test_the_registry_answers_only_describe() -> None:
         assert reply["addrs"] == [] and reply["lens"] == [] and reply["shm"] == []
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("mode", ["cma", "shm"])
+def test_what_a_reader_may_read_of_a_peer_in_this_process(mode: str) -> None:
+    """Only what the peer registered (in shm mode: allocated) is read, each refusal names
+    the descriptor and the reason, the reader follows the peer's later registrations and
+    withdrawals, and a closed peer is gone."""
+    owner, reader = HostEngine(mode=mode, timeout=2.0), HostEngine(mode=mode, timeout=2.0)
+    try:
+        s = owner.initialize("127.0.0.1")
+        addr, arr = owner.allocate(8192)
+        arr[:] = pattern(8192, 3)
+        dst, base = _dest(reader, 8192)
+        assert reader.batch_transfer_sync_read(s, [base, base + 4096], [addr + 4096, addr],
+                                               [4096, 4096]) == 0, reader.last_error
+        np.testing.assert_array_equal(dst[:4096], arr[4096:])
+        np.testing.assert_array_equal(dst[4096:], arr[:4096])
+        dst.fill(SENTINEL)
+        ret = reader.batch_transfer_sync_read(s, [base, base + 64], [addr, addr + 8190], [64, 4])
+        assert ret == TransferResult.PEER_RANGE
+        assert reader.last_error == (f"PEER_RANGE: descriptor 1: source [0x{addr + 8190:x}, +4)"
+                                     f" is not inside memory {s} registered")
+        plain = pattern(4096, 4).copy()
+        owner.register_memory(int(plain.ctypes.data), 4096)  # after the reader cached it
+        ret = reader.batch_transfer_sync_read(s, [base], [int(plain.ctypes.data)], [64])
+        if mode == "cma":
+            assert ret == 0, reader.last_error
+            np.testing.assert_array_equal(dst[:64], plain[:64])
+            dst.fill(SENTINEL)
+        else:
+            assert ret == TransferResult.PEER_RANGE
+            assert reader.last_error == (
+                f"PEER_RANGE: descriptor 0: source 0x{int(plain.ctypes.data):x} is not in a "
+                f"shm segment of {s} (shm mode reads only memory the peer allocate()d)")
+        later, more = owner.allocate(4096)
+        more[:] = 9
+        assert reader.batch_transfer_sync_read(s, [base], [later], [4096]) == 0
+        assert (dst[:4096] == 9).all()
+        owner.unregister_memory(later)
+        dst.fill(SENTINEL)
+        assert reader.batch_transfer_sync_read(s, [base], [later], [64]) == (
+            TransferResult.PEER_RANGE)
+        assert reader.last_error == (f"PEER_RANGE: descriptor 0: source [0x{later:x}, +64) is "
+                                     f"not inside memory {s} registered")
+        owner.close()
+        assert reader.batch_transfer_sync_read(s, [base], [addr], [64]) == (
+            TransferResult.PEER_GONE)
+        assert reader.last_error == "PEER_GONE: peer closed its engine"
+        assert (dst == SENTINEL).all()
+    finally:
+        reader.close()
+        owner.close()
