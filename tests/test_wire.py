@@ -392,6 +392,12 @@ def test_undecodable_meta_is_refused_not_ignored() -> None:
     assert old is not None and decode_meta_reply(old).layout_version == LAYOUT_VERSION
     assert meta_refusal(pack([READ_DONE, 1]), "x") is None
     assert meta_refusal(b"\xc1garbage", "x") is None
+    # Each form is refused in the ack form its sender reads: the fork's 4-field refusal for
+    # the versioned form, the 5-field one for this project's earlier form.
+    assert meta_refusal(pack([MF_META, "h", b"x", 1, 0, 1]), "no") == pack(
+        [MF_META_ACK, 0, PROTOCOL_VERSION, "W1: MF_META refused: no"])
+    assert meta_refusal(pack([MF_META, "h", b"x", 1, 1]), "no") == pack(
+        [MF_META_ACK, False, PROTOCOL_VERSION, LAYOUT_VERSION, "W1: MF_META refused: no"])
     # An MF_META cut after its kind is still an MF_META, and still answered.
     assert decode_meta_reply(meta_refusal(pack([MF_META]), "short") or b"").error == (
         "W1: MF_META refused: short")
@@ -418,6 +424,8 @@ def test_version_mismatch_names_both_versions() -> None:
     assert ack.error == "F3: protocol version 2 from prefill, decode speaks 1"
     ack = check_versions(MfMeta("h:1", LAYERS, 1, 7))
     assert ack.error == "F3: layout version 7 from prefill, decode speaks 1"
+    pipelined = check_versions(MfMeta("h:1", LAYERS, 1, None, 1, 2))
+    assert pipelined.error == "X3: prefill pipeline rank 1 of 2; decode serves pp_size 1 only"
     both = check_versions(MfMeta("h:1", LAYERS, 3, 4))
     assert "protocol version 3" in both.error and "layout version 4" in both.error
     with pytest.raises(VersionMismatch, match="decode refused the handshake: F3: protocol"):
