@@ -950,3 +950,98 @@ def test_a_request_in_two_chunks_through_the_compute_api(
         pw.close()
         loop.close()
         dw.close()
+
+
+def test_device_events_are_awaited_through_synchronize() -> None:
+    """C4: None is a CPU write (already complete); anything else is synchronised, and what
+    cannot be is refused by name."""
+    from sfa_rd2h.runtime.control import wait_device_event
+
+    synced: list[str] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            synced.append("event")
+
+    wait_device_event(None)
+    wait_device_event(Event())
+    assert synced == ["event"]
+    with pytest.raises(TypeError) as info:
+        wait_device_event(object())
+    assert str(info.value) == "a device event needs synchronize(), got object"
+
+
+def test_poll_timeouts_never_wake_before_the_deadline() -> None:
+    from sfa_rd2h.runtime.control import _poll_ms
+
+    assert _poll_ms(None, 5.0) == -1  # no deadline: wait for a socket or the wake-up
+    assert _poll_ms(5.0, 5.0) == 0 and _poll_ms(4.0, 5.0) == 0
+    assert _poll_ms(5.0001, 5.0) == 1  # rounded up, not down to a busy 0
+    assert _poll_ms(6.5, 5.0) == 1500
+
+
+def test_curve_allow_list_takes_keys_in_either_encoding() -> None:
+    from sfa_rd2h.runtime.control import _CurveAllowList
+
+    client, stranger = CurveSecurity.generate(), CurveSecurity.generate()
+    raw = zmq.utils.z85.decode(client.public)  # what ZAP hands the callback
+    assert _CurveAllowList(frozenset({client.public})).callback("*", raw) is True
+    assert _CurveAllowList(frozenset({raw})).callback("*", raw) is True
+    assert _CurveAllowList(frozenset({client.public})).callback(
+        "*", zmq.utils.z85.decode(stranger.public)) is False
+    assert _CurveAllowList(frozenset()).callback("*", raw) is True  # empty: any CURVE client
+    keys = client.client_of(b"server-key")
+    assert (keys.public, keys.secret, keys.server_public) == (
+        client.public, client.secret, b"server-key")
+
+
+def test_read_lanes_one_per_session_shared_beyond_the_bound_and_retired_when_idle() -> None:
+    """A lane per Prefill session; beyond ``max_lanes`` sessions share the existing lanes;
+    an idle lane ends and a later read gets a new one; close waits for queued reads and says
+    when one is still busy; nothing is accepted after close."""
+    from types import SimpleNamespace
+
+    from sfa_rd2h.runtime.control import _ReadLanes
+
+    threads: dict[str, list[threading.Thread]] = {}
+    done: list[tuple[str, Any]] = []
+    cond = threading.Condition()
+    gate = threading.Event()
+    gate.set()
+
+    def read(a: Any) -> int:
+        threads.setdefault(a.session, []).append(threading.current_thread())
+        assert gate.wait(WAIT)
+        return 7
+
+    def finished(a: Any, result: Any) -> None:
+        with cond:
+            done.append((a.session, result))
+            cond.notify_all()
+
+    def wait_done(n: int) -> None:
+        with cond:
+            assert cond.wait_for(lambda: len(done) >= n, WAIT)
+
+    lanes = _ReadLanes(read, finished, "d0", max_lanes=2, idle_s=0.05)
+    for session in ("a", "b", "a", "c"):
+        lanes.submit(SimpleNamespace(session=session))  # type: ignore[arg-type]
+    wait_done(4)
+    assert sorted(done) == [("a", 7), ("a", 7), ("b", 7), ("c", 7)]
+    assert [t.name for t in threads["a"]] == ["d0-read-0", "d0-read-0"]
+    assert [t.name for t in threads["b"]] == ["d0-read-1"]
+    assert threads["c"][0] in (threads["a"][0], threads["b"][0])  # shares a lane
+    first = threads["a"][0]
+    first.join(WAIT)  # idle for idle_s with nothing queued: the lane ends
+    assert not first.is_alive()
+    lanes.submit(SimpleNamespace(session="a"))  # type: ignore[arg-type]
+    wait_done(5)
+    assert threads["a"][-1] is not first
+    gate.clear()
+    lanes.submit(SimpleNamespace(session="a"))  # type: ignore[arg-type]
+    assert lanes.close(0.05) is False  # a read is still running
+    gate.set()
+    assert lanes.close(WAIT) is True
+    wait_done(6)
+    with pytest.raises(ControlPlaneError, match="^d0: read lanes are closed$"):
+        lanes.submit(SimpleNamespace(session="a"))  # type: ignore[arg-type]
