@@ -1468,3 +1468,46 @@ def test_what_a_reader_may_read_of_a_peer_in_this_process(mode: str) -> None:
     finally:
         reader.close()
         owner.close()
+
+
+def test_a_small_batch_is_one_syscall_of_coalesced_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's few descriptors go to the kernel as one process_vm_readv, runs contiguous on
+    both sides merged into one iovec; a piece over the per-iovec cap or a batch at the byte
+    window takes the bounded split instead."""
+    owner, other, src, addr = _serving_pair()
+    syscalls: list[list[int]] = []
+    real_readv = host_mod._readv
+
+    def recording_readv(pid: int, local_iov: int, remote_iov: int, count: int) -> Any:
+        iov = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iov))
+        syscalls.append(iov[1::2].tolist())
+        return real_readv(pid, local_iov, remote_iov, count)
+
+    monkeypatch.setattr(host_mod, "_readv", recording_readv)
+    try:
+        dst, b = _dest(other, 4096)
+
+        def read(local: list[int], peer: list[int], n: list[int]) -> list[list[int]]:
+            syscalls.clear()
+            dst.fill(SENTINEL)
+            assert other.batch_transfer_sync_read(owner.session_id, [b + x for x in local],
+                                                  [addr + x for x in peer], n) == 0
+            for x, y, k in zip(local, peer, n, strict=True):
+                np.testing.assert_array_equal(dst[x:x + k], src[y:y + k])
+            return syscalls
+
+        assert read([0, 64, 512], [0, 64, 128], [64, 64, 32]) == [[128, 32]]
+        assert read([0, 64], [64, 0], [64, 64]) == [[64, 64]]  # contiguous on one side only
+        assert read([0, 100], [0, 200], [100, 50]) == [[100, 50]]
+        monkeypatch.setattr(host_mod, "_PIECE_BYTES", 64)
+        assert read([0], [0], [64]) == [[64]]
+        assert read([0], [0], [100]) == [[64, 36]]  # over the cap: split in pieces
+        monkeypatch.setattr(host_mod, "_PIECE_BYTES", 1 << 20)
+        monkeypatch.setattr(host_mod, "_GROUP_BYTES", 256)
+        assert read([0], [0], [255]) == [[255]]
+        assert read([0, 255], [0, 1024], [1, 254]) == [[1, 254]]  # 255 bytes: one call
+        # From 256 bytes on, a syscall covers the pieces starting in one 256-byte window.
+        assert read([0, 512], [0, 1024], [300, 10]) == [[300], [10]]
+    finally:
+        other.close()
+        owner.close()
