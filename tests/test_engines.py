@@ -261,6 +261,20 @@ def test_cma_reads_tensor_and_array_exactly(cma_peer: Peer, reader: HostEngine) 
     assert (dst[:7] == SENTINEL).all() and (dst[5007:] == SENTINEL).all()
 
 
+def _record_syscalls(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The iovec lengths of every process_vm_readv from now on, one list per syscall."""
+    syscalls: list[list[int]] = []
+    real_readv = host_mod._readv
+
+    def recording_readv(pid: int, local_iov: int, remote_iov: int, count: int) -> Any:
+        iov = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iov))
+        syscalls.append(iov[1::2].tolist())
+        return real_readv(pid, local_iov, remote_iov, count)
+
+    monkeypatch.setattr(host_mod, "_readv", recording_readv)
+    return syscalls
+
+
 def test_cma_splits_large_batches_into_bounded_syscalls(
     cma_peer: Peer, reader: HostEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -270,15 +284,7 @@ def test_cma_splits_large_batches_into_bounded_syscalls(
     monkeypatch.setattr(host_mod, "_PIECE_BYTES", piece)
     monkeypatch.setattr(host_mod, "_GROUP_BYTES", group)
     monkeypatch.setattr(host_mod, "IOV_MAX", iov_max)
-    syscalls: list[list[int]] = []  # the iovec lengths of every process_vm_readv
-    real_readv = host_mod._readv
-
-    def recording_readv(pid: int, local_iov: int, remote_iov: int, count: int) -> Any:
-        iov = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iov))
-        syscalls.append(iov[1::2].tolist())
-        return real_readv(pid, local_iov, remote_iov, count)
-
-    monkeypatch.setattr(host_mod, "_readv", recording_readv)
+    syscalls = _record_syscalls(monkeypatch)
 
     def check_bounds(total: int) -> None:
         assert syscalls, "no syscall was made"
@@ -1475,15 +1481,7 @@ def test_a_small_batch_is_one_syscall_of_coalesced_runs(monkeypatch: pytest.Monk
     both sides merged into one iovec; a piece over the per-iovec cap or a batch at the byte
     window takes the bounded split instead."""
     owner, other, src, addr = _serving_pair()
-    syscalls: list[list[int]] = []
-    real_readv = host_mod._readv
-
-    def recording_readv(pid: int, local_iov: int, remote_iov: int, count: int) -> Any:
-        iov = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(remote_iov))
-        syscalls.append(iov[1::2].tolist())
-        return real_readv(pid, local_iov, remote_iov, count)
-
-    monkeypatch.setattr(host_mod, "_readv", recording_readv)
+    syscalls = _record_syscalls(monkeypatch)
     try:
         dst, b = _dest(other, 4096)
 
