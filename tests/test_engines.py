@@ -751,8 +751,20 @@ def test_ptracer_is_narrow_unless_asked() -> None:
     assert host_mod.ptracer_pid("parent") == os.getppid()
     assert host_mod.ptracer_pid(" 1234 ") == 1234
     assert host_mod.ptracer_pid("any") == host_mod._PR_SET_PTRACER_ANY
-    with pytest.raises(EngineConfigError, match="SFA_RD2H_PTRACER"):
-        host_mod.ptracer_pid("everyone")
+    assert host_mod.ptracer_pid(" ANY ") == host_mod._PR_SET_PTRACER_ANY
+    for bad in ("everyone", "0", "-5"):
+        with pytest.raises(EngineConfigError) as info:
+            host_mod.ptracer_pid(bad)
+        assert str(info.value) == (
+            f"SFA_RD2H_PTRACER must be 'parent', 'any' or a pid, not {bad!r}")
+
+
+def test_ptracer_comes_from_the_environment_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SFA_RD2H_PTRACER", raising=False)
+    assert host_mod.ptracer_pid() == os.getppid()
+    monkeypatch.setenv("SFA_RD2H_PTRACER", "4321")
+    assert host_mod.ptracer_pid() == 4321
+    assert host_mod.ptracer_pid("parent") == os.getppid()  # an explicit setting wins
 
 
 # --------------------------------------------------------------------------- test strength
@@ -1509,3 +1521,28 @@ def test_a_small_batch_is_one_syscall_of_coalesced_runs(monkeypatch: pytest.Monk
     finally:
         other.close()
         owner.close()
+
+
+def test_under_yama_scope_1_the_owner_names_its_ptracer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Yama scope 1 without CAP_SYS_PTRACE: a CMA owner declares, once it serves, the one
+    process whose descendants may read it (PR_SET_PTRACER); otherwise it declares nothing."""
+    from types import SimpleNamespace
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(host_mod, "_libc", SimpleNamespace(
+        prctl=lambda op, pid, *rest: calls.append((op, pid.value)) or 0))
+    monkeypatch.setattr(host_mod, "cma_status", lambda: (True, "yama ptrace_scope=1"))
+    monkeypatch.setenv("SFA_RD2H_PTRACER", "4321")
+    for scope, cap, mode, declared in ((1, False, "cma", True), (1, True, "cma", False),
+                                       (0, False, "cma", False), (None, False, "cma", False),
+                                       (2, False, "cma", False), (1, False, "shm", False)):
+        monkeypatch.setattr(host_mod, "_ptrace_scope", lambda s=scope: s)
+        monkeypatch.setattr(host_mod, "_has_cap_sys_ptrace", lambda c=cap: c)
+        calls.clear()
+        eng = HostEngine(mode=mode)
+        try:
+            assert calls == []  # nothing before it serves
+            eng.initialize("127.0.0.1")
+            assert calls == ([(0x59616D61, 4321)] if declared else []), (scope, cap, mode)
+        finally:
+            eng.close()
