@@ -373,6 +373,7 @@ def test_decode_restart_rehandshakes_and_fails_the_outstanding_gate(
         pw.schedule_chunk("old", 4, True)
         run_layers(pw, p, 1, [1], [1], 1)
         assert waiting.wait(WAIT)  # the READY is held on Decode: its gate is outstanding
+        assert first.waiting_for_destinations() == 1
         assert pw.layer_settled(0) is False
         with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
             first.close()  # "restart": the process holding the port goes away
