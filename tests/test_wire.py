@@ -506,6 +506,13 @@ def test_layer_of() -> None:
     assert layer_of(pack([READ_READY_BATCH, 7, 3]) + b"\xc1\xc1") == 7
     assert layer_of(pack(ready_fields(layer_idx=11, layer_name=b"bad"))[:25]) == 11
     assert layer_of(b"\x97" + pack(READ_READY_BATCH) + pack(12)) == 12
+    # A current READY's layer index in each msgpack width, canonical or not.
+    head = b"\x97" + pack(READ_READY_BATCH)
+    assert layer_of(head + b"\xcc\xc8") == 200
+    assert layer_of(head + b"\xcd\x01\x00") == 256
+    assert layer_of(head + b"\xce\x00\x00\x00\x05") == 5
+    assert layer_of(head + b"\xce\x00\x01\x11\x70") is None  # 70000: no such layer
+    assert layer_of(head + b"\xcd\x01") is None  # cut inside the index
     for bad in (
         pack([READ_READY_BATCH, True]),
         pack([READ_READY_BATCH, -1]),
