@@ -513,6 +513,9 @@ def test_layer_of() -> None:
     assert layer_of(head + b"\xce\x00\x00\x00\x05") == 5
     assert layer_of(head + b"\xce\x00\x01\x11\x70") is None  # 70000: no such layer
     assert layer_of(head + b"\xcd\x01") is None  # cut inside the index
+    # A READY with a W4 appendix and a long name: read from its first 64 bytes.
+    long_ready = pack([*ready_fields(layer_idx=11, layer_name="n" * 100), "appendix"])
+    assert len(long_ready) > 64 and layer_of(long_ready) == 11
     for bad in (
         pack([READ_READY_BATCH, True]),
         pack([READ_READY_BATCH, -1]),
