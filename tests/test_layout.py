@@ -116,6 +116,31 @@ def test_a_checked_layout_does_not_vouch_for_an_equal_one_of_other_types() -> No
         plan_layer_reads(floats, dst, [1], [1], [1], [1])
 
 
+def test_a_pair_checked_once_is_remembered_and_a_refused_one_never() -> None:
+    """Decode plans every layer of every READY against the same few (MF_META layer,
+    registration) pairs, so a pair that passed L1 is answered from memory afterwards; a pair
+    that failed is checked again each time (nothing about it is remembered)."""
+    from sfa_rd2h.spec import layout
+
+    src, dst = make_pair()
+    src = Meta(src.base_addrs[:1] + (0x5000_0000,) + src.base_addrs[2:], src.block_len,
+               src.block_size_scale, src.tensor_group_idx, src.main_tensor_count,
+               src.has_indexer)  # a pair no other test has remembered
+    before = layout._cached_pair.cache_info()
+    validate_layer(src, dst)
+    for _ in range(3):
+        plan_layer_reads(src, dst, [1], [2], [3], [4])
+    after = layout._cached_pair.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 3)
+    _, other = make_pair(indexer_bytes=256)
+    for _ in range(2):
+        with pytest.raises(LayoutError, match="indexer block bytes"):
+            validate_layer(src, other)
+    refused = layout._cached_pair.cache_info()
+    assert (refused.misses - after.misses, refused.hits - after.hits) == (2, 0)
+    assert refused.currsize == after.currsize  # nothing added for the refused pair
+
+
 @pytest.mark.parametrize(
     ("src_kw", "dst_kw", "message"),
     [
