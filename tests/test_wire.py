@@ -504,6 +504,9 @@ def test_layer_of() -> None:
     assert layer_of(encode(ReadReadyBatch(42, "l", (), ()))) == 42
     # Field 1 is readable even when the rest of the frame is garbage or cut off.
     assert layer_of(pack([READ_READY_BATCH, 7, 3]) + b"\xc1\xc1") == 7
+    assert layer_of(pack([READ_READY_BATCH, 9])) == 9  # cut after the index
+    assert layer_of(pack([READ_READY_BATCH, 0, "x"])) == 0  # the bounds are layers too
+    assert layer_of(pack([READ_READY_BATCH, MAX_LAYER_IDX])) == MAX_LAYER_IDX
     assert layer_of(pack(ready_fields(layer_idx=11, layer_name=b"bad"))[:25]) == 11
     assert layer_of(b"\x97" + pack(READ_READY_BATCH) + pack(12)) == 12
     # A current READY's layer index in each msgpack width, canonical or not.
@@ -548,6 +551,8 @@ def test_error_text_is_repaired_not_refused() -> None:
     ("kwargs", "text"),
     [
         ({"block_len": (1,)}, "block_len: has 1 entries but base_addrs has 2"),
+        ({"block_size_scale": (1,)}, "block_size_scale: has 1 entries but base_addrs has 2"),
+        ({"tensor_group_idx": (0, 0, 0)}, "tensor_group_idx: has 3 entries but base_addrs has 2"),
         ({"main_tensor_count": 0}, "main_tensor_count: 0 is out of range"),
         ({"has_indexer": 1}, "has_indexer: expected bool, got int"),
         ({"block_size_scale": (1, 0)}, "block_size_scale[1]: 0 is out of range"),
@@ -692,12 +697,20 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("meta-blob-list", _blob_frame(pack([1])), "expected a map of layer name -> layout"),
     ("meta-blob-int-key", _blob_frame(pack({1: {}})), "int is not allowed for map key"),
     ("meta-layer-bin-name", _blob_frame(pack({b"l0": meta_map()})), "layer name: expected str"),
-    ("meta-layer-not-map", _blob_frame(pack({"l0": [1]})), "expected a map of layout fields"),
-    ("meta-unknown-key", _blob_frame(pack({"l0": meta_map(x=1)})), "unknown field str 'x'"),
+    ("meta-layer-not-map", _blob_frame(pack({"l0": [1]})),
+     "layer metadata['l0']: expected a map of layout fields, got list [1]"),
+    ("meta-unknown-key", _blob_frame(pack({"l0": meta_map(x=1)})),
+     "unknown field str 'x'; expected only base_addrs, block_len, block_size_scale, "
+     "tensor_group_idx, main_tensor_count, has_indexer"),
     (
         "meta-missing-key",
         _blob_frame(pack({"l0": meta_map(tensor_group_idx=_DROP)})),
         "layer metadata['l0']: missing field(s) tensor_group_idx",
+    ),
+    (
+        "meta-missing-keys",
+        _blob_frame(pack({"l0": meta_map(tensor_group_idx=_DROP, block_len=_DROP)})),
+        "layer metadata['l0']: missing field(s) block_len, tensor_group_idx",
     ),
     ("meta-dup-key", _blob_frame(_DUP_FIELD_BLOB), "duplicate field 'has_indexer'"),
     (
