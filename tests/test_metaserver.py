@@ -1134,3 +1134,30 @@ def test_a_long_poll_waits_only_when_asked_to(proxy: ProxyServer) -> None:
     assert _raw(proxy.url, "GET", "/v1/status?job=nope") == (404, {"error": "unknown job 'nope'"})
     assert _raw(proxy.url, "GET", "/v1/decode_work?instance=d0&timeout=-1") == (
         400, {"error": "query parameter 'timeout': -1.0 is not a finite number >= 0"})
+
+
+def test_client_requests_are_labelled_json_and_carry_the_token_only_when_one_is_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the metaserver (or a proxy in front of it) receives from each client: a JSON
+    content type, and the bearer token from the argument or the environment, none when
+    neither sets one (an empty token is no token)."""
+    monkeypatch.delenv("SFA_RD2H_METASERVER_TOKEN", raising=False)
+    server = _OneShotServer(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n[]", n=5)
+    try:
+        post_rendezvous(server.url + "/v1/metaserver", _rdv("r-0"), retries=0)
+        post_rendezvous(server.url + "/v1/metaserver", _rdv("r-0"), retries=0, token="")
+        post_rendezvous(server.url + "/v1/metaserver", _rdv("r-0"), retries=0, token="t0k")
+        monkeypatch.setenv("SFA_RD2H_METASERVER_TOKEN", "env-t0k")
+        fetch_work(server.url, "decode", "d0", timeout=0.1)
+        report_finished(server.url, "r-0", ok=True, role="decode")
+    finally:
+        server.close()
+
+    def headers(request: bytes) -> dict[str, str]:
+        lines = request.partition(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
+        return {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+    got = [headers(r) for r in server.requests]
+    assert [h.get("content-type") for h in got] == ["application/json"] * 5
+    assert [h.get("authorization") for h in got] == [
+        None, None, "Bearer t0k", "Bearer env-t0k", "Bearer env-t0k"]
