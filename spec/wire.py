@@ -443,7 +443,7 @@ def _unpack(data: bytes, *, pairs: bool = False) -> Any:
         raise WireError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
 
 
-def _layer_from_pairs(name: str, fields: Any) -> LayerMeta:
+def _layer_from_pairs(fields: Any) -> LayerMeta:
     if type(fields) is not _Pairs:
         raise WireError(f"expected a map of layout fields, got {_show(fields)}")
     values: dict[str, Any] = {}
@@ -482,7 +482,7 @@ def _decode_layer_table(blob: Any) -> LayerTable:
     for name, fields in top:
         _str(name, "layer metadata: layer name", MAX_STR_LEN)
         try:
-            pairs.append((name, _layer_from_pairs(name, fields)))
+            pairs.append((name, _layer_from_pairs(fields)))
         except WireError as exc:
             raise WireError(f"layer metadata[{name!r}]: {exc}") from None
     return LayerTable(pairs)

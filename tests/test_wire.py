@@ -359,6 +359,11 @@ def test_versioned_meta_is_the_forks_six_fields_and_gets_its_exact_ack() -> None
     assert frame == pack([b"mf_meta_ack", 1])  # what the fork's Prefill accepts, byte for byte
     assert decode_meta_reply(frame) == ack
     check_meta_ack(ack)
+    # The largest pipeline a frame can name is read, and refused by Decode (X3), not by
+    # the codec.
+    widest = decode(pack([MF_META, "h:1", encode_layer_metadata(LAYERS), 1, 65534, 65535]))
+    assert isinstance(widest, MfMeta) and (widest.pp_rank, widest.pp_size) == (65534, 65535)
+    assert check_versions(widest).error.startswith("X3: prefill pipeline rank 65534 of 65535")
 
 
 def test_earlier_project_form_still_gets_its_five_field_ack() -> None:
@@ -699,15 +704,21 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("ready-ratio-big", pack(ready_fields(tp_ratio=MAX_TP_RATIO + 1)), "tp_ratio: 1025 is out"),
     ("ready-ratio-bool", pack(ready_fields(tp_ratio=True)), "tp_ratio: expected int, got bool"),
     ("meta-4", pack([MF_META, "h", pack({}), 1]), "mf_meta: expected 3, 5 or at least 6"),
-    ("meta-pp", pack([MF_META, "h", pack({}), 1, 2, 2]), "pp_rank=2 is not a rank of pp_size=2"),
-    ("meta-pp-rank-str", pack([MF_META, "h", pack({}), 1, "0", 1]),
+    ("meta-pp", pack([MF_META, "h", pack({}), 1, 3, 2]),
+     "mf_meta: pp_rank=3 is not a rank of pp_size=2"),
+    ("meta-pp-size-0", pack([MF_META, "h", pack({}), 1, 0, 0]),
+     "mf_meta: pp_rank=0 is not a rank of pp_size=0"),
+    ("meta-pp-size-big", pack([MF_META, "h", pack({}), 1, 0, 2**16]),
+     "mf_meta: pp_rank=0 is not a rank of pp_size=65536"),
+    ("meta-pp-rank-str", pack([MF_META, "h", pack({}), 1, "0", 1, "appendix"]),
      "mf_meta: pp_rank/pp_size must be ints, got list ['0', 1]"),
     ("meta-pp-size-str", pack([MF_META, "h", pack({}), 1, 0, "1"]),
      "mf_meta: pp_rank/pp_size must be ints, got list [0, '1']"),
     ("meta-session-bin", pack([MF_META, b"h", pack({})]), "p_session: expected str, got bytes"),
     ("meta-blob-str", _blob_frame("{}"), "layer metadata: expected msgpack bytes, got str"),
     ("meta-blob-garbage", _blob_frame(b"\xc1"), "layer metadata: not valid msgpack"),
-    ("meta-blob-list", _blob_frame(pack([1])), "expected a map of layer name -> layout"),
+    ("meta-blob-list", _blob_frame(pack([1])),
+     "layer metadata: expected a map of layer name -> layout, got list [1]"),
     ("meta-blob-int-key", _blob_frame(pack({1: {}})), "int is not allowed for map key"),
     ("meta-layer-bin-name", _blob_frame(pack({b"l0": meta_map()})), "layer name: expected str"),
     ("meta-layer-not-map", _blob_frame(pack({"l0": [1]})),
