@@ -1161,3 +1161,25 @@ def test_client_requests_are_labelled_json_and_carry_the_token_only_when_one_is_
     assert [h.get("content-type") for h in got] == ["application/json"] * 5
     assert [h.get("authorization") for h in got] == [
         None, None, "Bearer t0k", "Bearer env-t0k", "Bearer env-t0k"]
+
+
+def test_each_request_is_a_debug_line_naming_the_client(
+        proxy: ProxyServer, caplog: pytest.LogCaptureFixture) -> None:
+    """http.server's access log goes to the module's logger at debug level (not stderr),
+    led by the client's address."""
+    caplog.set_level(logging.DEBUG, logger=metaserver.__name__)
+    assert _raw(proxy.url, "GET", "/v1/health") == (200, {"status": "ok"})
+    lines = [r.getMessage() for r in caplog.records
+             if r.levelno == logging.DEBUG and "/v1/health" in r.getMessage()]
+    assert lines == ['127.0.0.1 "GET /v1/health HTTP/1.1" 200 -']
+
+
+def test_clients_take_http_and_https_urls_with_a_host_only() -> None:
+    port = _free_port()
+    for url in (f"https://127.0.0.1:{port}/v1/metaserver", f"http://127.0.0.1:{port}/x"):
+        with pytest.raises(MetaserverUnreachable):  # accepted, then nothing listens
+            post_rendezvous(url, _rdv("r-0"), retries=0)
+    for url in ("http:///v1/metaserver", "ftp://127.0.0.1/v1/metaserver", "127.0.0.1:80"):
+        with pytest.raises(ValueError) as info:
+            post_rendezvous(url, _rdv("r-0"), retries=0)
+        assert str(info.value) == f"expected an http(s) URL, got {url!r}"
