@@ -1183,3 +1183,40 @@ def test_clients_take_http_and_https_urls_with_a_host_only() -> None:
         with pytest.raises(ValueError) as info:
             post_rendezvous(url, _rdv("r-0"), retries=0)
         assert str(info.value) == f"expected an http(s) URL, got {url!r}"
+
+
+class _ServingThreadStandIn:
+    """Stands in for the proxy's serving thread in close(): records how long close() lets
+    it take to end, and ends within that time or never (``ends``)."""
+
+    def __init__(self, ends: bool) -> None:
+        self.ends = ends
+        self.alive = True
+        self.join_timeouts: list[float | None] = []
+
+    def join(self, timeout: float | None = None) -> None:
+        self.join_timeouts.append(timeout)
+        if self.ends and (timeout is None or timeout > 0):
+            self.alive = False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_close_waits_for_the_serving_thread_within_its_timeout_and_reports_one_that_stays(
+        ends: bool, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger=metaserver.__name__)
+    proxy = ProxyServer()
+    proxy.start()
+    real = proxy._thread
+    assert real is not None
+    stand_in = _ServingThreadStandIn(ends)
+    proxy._thread = stand_in  # type: ignore[assignment]
+    proxy.close(timeout=0.5)
+    real.join(WAIT)  # close() stopped the real one (server.shutdown waits for it)
+    assert not real.is_alive()
+    [waited] = stand_in.join_timeouts
+    assert waited is not None and 0 < waited <= 0.5
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == ([] if ends else ["metaserver: serving thread still alive 0.5s after close"])
