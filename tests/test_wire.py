@@ -647,7 +647,8 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("ready-name-empty", pack(ready_fields(layer_name="")), "layer_name: must not be empty"),
     ("ready-layer-big", pack(ready_fields(layer_idx=MAX_LAYER_IDX + 1)), "layer_idx: 65536 is"),
     ("ready-reqs-map", pack(ready_fields(read_reqs={"a": 1})), "read_reqs: expected an array"),
-    ("ready-req-str", pack(ready_fields(read_reqs=["r"])), "read_reqs[0]: expected an array"),
+    ("ready-req-str", pack(ready_fields(read_reqs=["r"])),
+     "read_reqs[0]: expected an array, got str 'r'"),
     (
         "ready-req-3",
         pack(ready_fields(read_reqs=[["r", [1], [1]]])),
@@ -682,6 +683,16 @@ MALFORMED: list[tuple[str, Any, str]] = [
         "ready-dest-neg",
         pack(ready_fields(read_reqs=[["r", [], [], -1, 0]])),
         "main_dest_start: -1 is out of range",
+    ),
+    (
+        "ready-indexer-dest-neg",
+        pack(ready_fields(read_reqs=[["r", [], [], 0, -1]])),
+        "read_reqs[0]: indexer_dest_start: -1 is out of range [0, 2147483647]",
+    ),
+    (
+        "ready-indexer-dest-big",
+        pack(ready_fields(read_reqs=[["r", [5], [5], 0, MAX_BLOCK_ID + 1]])),
+        "read_reqs[0]: indexer_dest_start: 2147483648 is out of range [0, 2147483647]",
     ),
     (
         "ready-id-empty",
