@@ -521,9 +521,13 @@ def test_handlers_are_bounded_and_the_rest_get_503() -> None:
                     urllib.request.urlopen(f"{proxy.url}/v1/status/none", timeout=2)
                 except urllib.error.HTTPError as exc:
                     status = exc.code
+                    answer = (exc.reason, exc.headers.get("Connection"),
+                              exc.headers.get("Content-Length"), exc.read())
                 if status == 503:
                     break
             assert status == 503
+            # a complete answer that tells the client not to reuse the connection
+            assert answer == ("Service Unavailable", "close", "0", b"")
         finally:
             for s in held:
                 s.close()
@@ -1220,3 +1224,36 @@ def test_close_waits_for_the_serving_thread_within_its_timeout_and_reports_one_t
     assert waited is not None and 0 < waited <= 0.5
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == ([] if ends else ["metaserver: serving thread still alive 0.5s after close"])
+
+
+@pytest.mark.parametrize(("advertise", "shown"), [
+    (None, "127.0.0.1"), ("10.0.0.5", "10.0.0.5"), ("fd00::5", "[fd00::5]")])
+def test_the_url_names_the_advertised_host_and_the_bound_port(
+        advertise: str | None, shown: str) -> None:
+    """What Decode and Prefill are told to use: the advertised host (an IPv6 address in
+    brackets) or the bound one, with the port actually bound; a proxy serves once."""
+    proxy = ProxyServer(advertise_host=advertise)
+    with pytest.raises(RuntimeError) as info:
+        proxy.url  # noqa: B018 - the property raises before start()
+    assert str(info.value) == "ProxyServer is not started"
+    try:
+        url = proxy.start()
+        port = proxy._server.server_address[1]
+        assert (url, proxy.url) == (f"http://{shown}:{port}",) * 2
+        assert proxy.metaserver_url == f"http://{shown}:{port}/v1/metaserver"
+        if advertise is None:
+            assert _raw(url, "GET", "/v1/health") == (200, {"status": "ok"})
+        with pytest.raises(RuntimeError) as again:
+            proxy.start()
+        assert str(again.value) == "ProxyServer can be started once"
+    finally:
+        proxy.close()
+    with pytest.raises(RuntimeError, match="can be started once"):
+        proxy.start()
+
+
+def test_the_serving_thread_is_a_named_daemon(proxy: ProxyServer) -> None:
+    """A proxy left unclosed never keeps the process alive, and thread dumps and leak checks
+    can tell its thread by name."""
+    [serving] = [t for t in threading.enumerate() if t is proxy._thread]
+    assert (serving.name, serving.daemon, serving.is_alive()) == ("metaserver-http", True, True)
