@@ -546,6 +546,9 @@ def test_error_text_is_repaired_not_refused() -> None:
     long_wide = ReadFailed(1, "é" * MAX_ERROR_LEN)
     assert len(long_wide.error.encode()) <= MAX_ERROR_LEN
     assert decode(encode(long_wide)) == long_wide
+    # A cut that falls inside a character drops that character, never the reply.
+    odd = ReadFailed(1, "x" + "é" * (MAX_ERROR_LEN // 2))
+    assert odd.error == "x" + "é" * (MAX_ERROR_LEN // 2 - 1)
     surrogate = ReadFailed(1, "bad \udcff path")
     assert surrogate.error == "bad ? path"
     assert decode(encode(surrogate)) == surrogate
