@@ -1046,3 +1046,45 @@ def test_read_lanes_one_per_session_shared_beyond_the_bound_and_retired_when_idl
     wait_done(6)
     with pytest.raises(ControlPlaneError, match="^d0: read lanes are closed$"):
         lanes.submit(SimpleNamespace(session="a"))  # type: ignore[arg-type]
+
+
+def test_prefill_counts_what_decode_answered_and_refuses_bad_replies(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """Against a raw Decode: undecodable replies and replies in several frames are counted
+    as rejected and logged, change nothing, and the layer's slot opens only on its real
+    READ_DONE, which is the one round trip measured."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    pw = PrefillWorker(p.core())
+    try:
+        pw.add_request("r", params(port), [1], [1])
+        pw.schedule_chunk("r", 4, True)
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            run_layers(pw, p, 1, [1], [1], 1)
+            assert router.poll(int(WAIT * 1000))
+            ident, meta = [f for f in router.recv_multipart() if f]
+            assert isinstance(wire.decode(meta), wire.MfMeta)
+            router.send_multipart([ident, wire.encode(wire.MfMetaAck(True, 1))])
+            assert router.poll(int(WAIT * 1000))
+            _, ready = [f for f in router.recv_multipart() if f]
+            assert isinstance(wire.decode(ready), wire.ReadReadyBatch)
+            router.send_multipart([ident, b"\xc1 not msgpack"])
+            router.send_multipart([ident, b"one", b"two"])
+            assert pw.layer_settled(0) is False
+            router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+            pw.wait_for_layer_send(0, WAIT)
+        assert pw.stats.frames_sent == 2 and pw.stats.frames_received == 4
+        assert pw.stats.rejected_frames == 2
+        assert len(pw.round_trips()) == 1 and list(pw.stats.rtt_by_layer) == [0]
+        assert list(pw.stats.rtt_by_layer[0]) == pw.round_trips()
+        warned = " | ".join(caplog.messages)
+        assert f"prefill rank 0: rejected frame from 127.0.0.1:{port}: " in warned
+        assert f"prefill rank 0: 2 non-empty frames from 127.0.0.1:{port}, expected 1" in warned
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
