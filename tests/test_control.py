@@ -1088,3 +1088,53 @@ def test_prefill_counts_what_decode_answered_and_refuses_bad_replies(
         pw.close()
         router.close()
         ctx.term()
+
+
+def test_decode_turns_every_engine_outcome_into_the_reply_and_the_stats(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """F2 through the worker: an engine that raises and one that returns non-zero both fail
+    the layer with READ_FAILED saying why, are counted and logged; a read that lands is a
+    READ_DONE and counts its bytes."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    outcomes: list[Any] = [RuntimeError("device lost"), -3, None]
+
+    class Scripted:  # the Decode engine: answers the next scripted outcome, then the real one
+        name = "scripted"
+        last_error = "LOCAL_RANGE: scripted"
+
+        def batch_transfer_sync_read(self, *args: Any) -> int:
+            outcome = outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return de.batch_transfer_sync_read(*args) if outcome is None else outcome
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Scripted(), 0)  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill-0")
+    try:
+        sock.send(wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION)))
+        assert wire.decode_meta_reply(_recv(sock)).accepted
+        replies = []
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            for i, ext in enumerate(("raises", "non-zero", "lands")):
+                dw.register_request(ext, [i + 1], [i + 1])
+                sock.send(wire.encode(wire.ReadReadyBatch(
+                    0, "l0", (wire.ReadReq(ext, (i,), (i,)),), (ext,))))
+                replies.append(wire.decode(_recv(sock)))
+        assert isinstance(replies[0], wire.ReadFailed)
+        assert "F2: transfer engine raised RuntimeError: device lost" in replies[0].error
+        assert isinstance(replies[1], wire.ReadFailed) and "-3" in replies[1].error
+        assert replies[2] == wire.ReadDone(0)
+        assert (dw.stats.reads, dw.stats.failed_reads) == (1, 2)
+        assert dw.stats.bytes_read == sum(TB) and dw.stats.frames_sent == 4
+        assert "decode rank 0: transfer engine raised" in caplog.messages
+        # One warning per kind per interval: the first failed read speaks for both.
+        assert [m for m in caplog.messages if "batched read" in m] == [
+            f"decode rank 0: batched read from {pe.session_id} failed (device lost): "
+            "LOCAL_RANGE: scripted"]
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
