@@ -1257,3 +1257,29 @@ def test_the_serving_thread_is_a_named_daemon(proxy: ProxyServer) -> None:
     can tell its thread by name."""
     [serving] = [t for t in threading.enumerate() if t is proxy._thread]
     assert (serving.name, serving.daemon, serving.is_alive()) == ("metaserver-http", True, True)
+
+
+def test_proxy_settings_out_of_range_are_refused_and_their_limits_accepted() -> None:
+    message = "max_body, max_handlers and request_deadline must be > 0 and max_poll_s >= 0"
+    for bad in ({"max_body": 0}, {"max_poll_s": -0.001}, {"max_handlers": 0},
+                {"request_deadline": 0}):
+        with pytest.raises(ValueError) as info:
+            ProxyServer(**bad)  # type: ignore[arg-type]
+        assert str(info.value) == message, bad
+    edge = ProxyServer(max_body=1, max_poll_s=0.0, max_handlers=1, request_deadline=0.5)
+    assert (edge.max_body, edge.max_poll_s, edge.max_handlers, edge.request_deadline) == (
+        1, 0.0, 1, 0.5)
+
+
+def test_proxies_with_default_settings_run_side_by_side_and_take_the_token_from_the_env(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each binds a free loopback port of its own; the bearer token defaults to
+    SFA_RD2H_METASERVER_TOKEN, and an explicit empty token turns authentication off."""
+    monkeypatch.setenv("SFA_RD2H_METASERVER_TOKEN", "env-t0k")
+    with ProxyServer() as guarded, ProxyServer(auth_token="") as open_:
+        assert guarded.url != open_.url
+        assert all(u.startswith("http://127.0.0.1:") for u in (guarded.url, open_.url))
+        assert _raw(guarded.url, "GET", "/v1/health")[0] == 401
+        assert _raw(guarded.url, "GET", "/v1/health",
+                    headers={"Authorization": "Bearer env-t0k"})[0] == 200
+        assert _raw(open_.url, "GET", "/v1/health") == (200, {"status": "ok"})
