@@ -1045,9 +1045,10 @@ def test_ready_frames_refuse_a_frame_over_max_frame_bytes(
     "bad", [True, False, 1.5, -1, -2**63, 2**31, 2**64 - 1, "3", None, [1], b"1"])
 # A legacy entry has one id list, so it has no field 2.
 @pytest.mark.parametrize(("field", "legacy"), [(1, False), (2, False), (1, True)])
+# With and without real 0 and 1 ids beside the offending one (a bool hides among them).
+@pytest.mark.parametrize("ids", [[0, 1, 5, 7], [3, 4, 5, 7]], ids=["with-0-1", "without"])
 def test_fast_id_check_refuses_like_the_per_list_check(bad: Any, field: int,
-                                                       legacy: bool) -> None:
-    ids = [0, 1, 5, 7]
+                                                       legacy: bool, ids: list[int]) -> None:
     entries: list[list[Any]] = [["req-a", list(ids), list(ids), 0, 0] for _ in range(3)]
     if legacy:
         entries = [["req-a", list(ids)] for _ in range(3)]
