@@ -74,6 +74,11 @@ class Sizes:
     layer_repeat: int  # per-layer samples per side
     read_repeat: int  # samples per side of each engine read size
     pipe_repeat: int  # 256 MiB prompts per side
+    # Sweeps for the charts (``--plot``): requests per layer in the Decode core and Decode
+    # endpoints per Prefill layer. The sizes the figures use (``requests``, 8 endpoints) are
+    # their own rows; the other points get rows of their own names.
+    decode_requests: tuple[int, ...] = (16, 64, 256)
+    endpoints: tuple[int, ...] = (1, 2, 4, 8)
 
 
 FULL = Sizes(requests=64, blocks=32, wire_entries=64, wire_ids=300, models=1000, repeat=15,
@@ -442,11 +447,20 @@ def bench_machines(sizes: Sizes) -> list[Result]:
 # --------------------------------------------------------------------------- 4. Decode core
 
 
-def bench_decode_core(sizes: Sizes) -> Result:
+def bench_decode_core(sizes: Sizes) -> list[Result]:
+    """One Decode layer in the core at each request count of the sweep, each next to
+    decoding its READY alone: ``decode_core_layer`` at the figure's size (``requests``),
+    ``decode_core_layer_<N>req`` at the others."""
+    return [_decode_core_layer(sizes, n, "decode_core_layer" if n == sizes.requests
+                               else f"decode_core_layer_{n}req")
+            for n in sorted({*sizes.decode_requests, sizes.requests})]
+
+
+def _decode_core_layer(sizes: Sizes, requests: int, name: str) -> Result:
     from sfa_rd2h.statemachines.cores.actions import IssueRead, Send
     from sfa_rd2h.statemachines.cores.decode import DecodeCore
 
-    case = layer_case(sizes.requests, sizes.blocks)
+    case = layer_case(requests, sizes.blocks)
     peer, layer = "prefill-0", "model.layers.0.self_attn.attn"
     core = DecodeCore(0, 1, {layer: case.dst})
     meta = wire.MfMeta("10.0.0.1:7000", {layer: case.src}, wire.PROTOCOL_VERSION)
@@ -466,19 +480,19 @@ def bench_decode_core(sizes: Sizes) -> Result:
 
     [issue] = core.on_frame(peer, frame, 0.0)
     if not isinstance(issue, IssueRead):
-        raise BenchError(f"decode_core_layer: expected one IssueRead, got {issue!r}")
-    _check_plan(issue.plan, naive_plan_layer(case), "decode_core_layer")
+        raise BenchError(f"{name}: expected one IssueRead, got {issue!r}")
+    _check_plan(issue.plan, naive_plan_layer(case), name)
     reply = core.read_result(issue.read_id, 0, 0.0)
     if reply != [Send(peer, done)]:
-        raise BenchError(f"decode_core_layer: expected one READ_DONE, got {reply!r}")
+        raise BenchError(f"{name}: expected one READ_DONE, got {reply!r}")
     med, base, info = compare(serve_layer, lambda: wire.decode(frame), sizes.repeat,
                               sizes.sample_s)
     return Result(
-        "decode_core_layer", med, base, "us/layer", 1e6,
-        f"on_frame(READY) -> IssueRead -> read_result -> READ_DONE, {sizes.requests} req; "
+        name, med, base, "us/layer", 1e6,
+        f"on_frame(READY) -> IssueRead -> read_result -> READ_DONE, {requests} req; "
         "vs wire.decode alone",
-        {"verified": True, "requests": sizes.requests, "blocks": sizes.blocks,
-         "project_us_per_request": med / sizes.requests * 1e6,
+        {"verified": True, "requests": requests, "blocks": sizes.blocks,
+         "project_us_per_request": med / requests * 1e6,
          "baseline": "wire.decode of the same READY frame", **info})
 
 
@@ -578,7 +592,7 @@ def _steps() -> dict[str, Callable[[Sizes], Result | list[Result]]]:
         "decode_core": bench_decode_core,
         "plan_scale": bench_plan_scale,
         "control": system.bench_control,
-        "prefill_layer": system.bench_prefill_layer,  # type: ignore[dict-item]
+        "prefill_layer": system.bench_prefill_layer,
         "machine_share": system.bench_machine_share,
         "host_read": partial(system.bench_reads, engine="host"),
         "mooncake_read": partial(system.bench_reads, engine="mooncake"),
@@ -686,6 +700,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"unknown benchmark group(s) {', '.join(unknown)}; known: "
                   f"{', '.join(STEP_NAMES)}", file=sys.stderr)
             return 2
+    if args.plot:
+        # Refuse before the run, not after minutes of benchmarking.
+        from sfa_rd2h.runtime.tools.bench_plot import missing_matplotlib
+
+        problem = missing_matplotlib()
+        if problem is None and os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            problem = f"--plot {args.plot}: exists and is not a folder"
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return 2
     show: Callable[[Result], None] | None = None
     if not args.json:
         print(f"medians of {args.repeat or (QUICK if args.quick else FULL).repeat} interleaved "
@@ -704,9 +728,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     rep = report(results, args.quick)
     if args.plot:
-        from sfa_rd2h.runtime.tools.bench_plot import write_chart
+        from sfa_rd2h.runtime.tools.bench_plot import write_charts
 
-        write_chart(rep, args.plot)
+        written = write_charts(rep, args.plot)
+        if not args.json:
+            print(f"charts: {', '.join(written)}")
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
@@ -730,7 +756,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"samples per side (default {FULL.repeat}, quick {QUICK.repeat})")
     p.add_argument("--only", default=None,
                    help=f"comma-separated groups to run: {', '.join(STEP_NAMES)}")
-    p.add_argument("--plot", default=None, metavar="FILE.svg",
-                   help="write an SVG chart: engine and pipeline throughput vs baseline")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNG charts into DIR (needs matplotlib: pip install "
+                        "'.[plot]'): throughput vs transfer size, cost vs blocks, vs "
+                        "requests, vs endpoints, each project against baseline")
     p.set_defaults(func=cmd_bench)
     return p

@@ -1,62 +1,192 @@
-"""One SVG chart of a ``sfa-rd2h bench`` report, written by hand (no plotting library).
+"""PNG charts of a ``sfa-rd2h bench`` report (``bench --plot DIR``), drawn with matplotlib.
 
-Throughput of every data-plane row (engine reads by size, the pipeline) next to its
-baseline's, as paired horizontal bars: the chart a reader checks the data-plane goals on.
+matplotlib is an optional extra (``pip install '.[plot]'``): nothing here imports it until
+a chart is drawn, and :func:`missing_matplotlib` lets the CLI refuse ``--plot`` before any
+benchmark runs. What each chart shows is computed by :func:`chart_series`, a pure function
+of the report, so the plotted numbers can be checked against the report's rows without
+reading pixels:
+
+* ``throughput_vs_size.png``: GB/s of every engine read (host, and Mooncake when it ran)
+  and of the pipeline, next to its baseline (in-process copy / one batched read);
+* ``cost_vs_blocks.png``: read planning in ms per layer at 1k-100k block pairs, runs and
+  scattered, vs the per-block Python loop (log axes);
+* ``cost_vs_requests.png``: one Decode layer in the core vs decoding its READY alone, by
+  requests per layer;
+* ``cost_vs_endpoints.png``: Prefill CPU per layer vs bare msgpack + ZMQ, by Decode
+  endpoints.
 """
 
 from __future__ import annotations
 
-from html import escape
+import os
+import re
+from dataclasses import dataclass
 from typing import Any
 
-_W, _LABEL, _ROW, _BAR, _TOP = 760, 230, 34, 12, 56
-_PROJECT, _BASELINE = "#3a6ea5", "#b8b8b8"
+INSTALL_HINT = "pip install '.[plot]'"
+_PROJECT, _BASELINE = "#3a6ea5", "#9a9a9a"
 
 
-def _throughput_rows(rep: dict[str, Any]) -> list[tuple[str, float, float]]:
-    out = []
-    for row in rep["rows"]:
-        d = row["detail"]
-        nbytes = d.get("bytes")
-        if not nbytes or not ("_read_" in row["name"] or row["name"] == "pipeline"):
-            continue
-        out.append((row["name"], nbytes / row["median_s"] / 1e9,
-                    nbytes / row["baseline_s"] / 1e9))
-    return out
+@dataclass(frozen=True)
+class Series:
+    """One line (or one set of bars) of a chart: a side of the comparison."""
+
+    label: str
+    side: str  # "project" or "baseline"
+    x: tuple[Any, ...]  # numbers, or category labels on a bar chart
+    y: tuple[float, ...]
+    rows: tuple[str, ...]  # the report row each point comes from
 
 
-def render_chart(rep: dict[str, Any]) -> str:
-    """The SVG text for ``rep`` (a ``bench --json`` report)."""
-    rows = _throughput_rows(rep)
-    height = _TOP + _ROW * max(1, len(rows)) + 40
-    top = max([max(p, b) for _, p, b in rows] + [1.0])
-    scale = (_W - _LABEL - 90) / top
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{height}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{_W}" height="{height}" fill="white"/>',
-           '<text x="10" y="20" font-size="14" font-weight="bold">sfa-rd2h bench: data-plane '
-           'throughput, project vs baseline (GB/s)</text>',
-           f'<rect x="10" y="32" width="12" height="10" fill="{_PROJECT}"/>'
-           '<text x="26" y="41">project (engine read between processes / runtime pipeline)'
-           '</text>',
-           f'<rect x="420" y="32" width="12" height="10" fill="{_BASELINE}"/>'
-           '<text x="436" y="41">baseline (in-process copy / one batched read)</text>']
-    for i, (name, proj, base) in enumerate(rows):
-        y = _TOP + i * _ROW
-        out.append(f'<text x="{_LABEL - 8}" y="{y + _BAR + 4}" text-anchor="end">'
-                   f'{escape(name)}</text>')
-        for k, (value, color) in enumerate(((proj, _PROJECT), (base, _BASELINE))):
-            yy = y + k * (_BAR + 2)
-            w = max(1.0, value * scale)
-            out.append(f'<rect x="{_LABEL}" y="{yy}" width="{w:.1f}" height="{_BAR}" '
-                       f'fill="{color}"/>')
-            out.append(f'<text x="{_LABEL + w + 4:.1f}" y="{yy + _BAR - 2}">{value:.2f}</text>')
-    if not rows:
-        out.append(f'<text x="10" y="{_TOP + 14}">no data-plane rows in this report</text>')
-    out.append('</svg>')
-    return "\n".join(out) + "\n"
+@dataclass(frozen=True)
+class Chart:
+    file: str
+    title: str
+    xlabel: str
+    ylabel: str
+    bars: bool  # categories as grouped bars; otherwise lines over a numeric x
+    log: bool  # log scale on both axes (lines only)
+    series: tuple[Series, ...]
 
 
-def write_chart(rep: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        f.write(render_chart(rep))
+CHART_FILES = ("throughput_vs_size.png", "cost_vs_blocks.png", "cost_vs_requests.png",
+               "cost_vs_endpoints.png")
+
+
+def missing_matplotlib() -> str | None:
+    """None when matplotlib imports; otherwise the one line to print instead of charts."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (f"--plot needs matplotlib, an optional extra: {INSTALL_HINT} "
+                "(or pip install 'sfa-rd2h[plot]')")
+    return None
+
+
+def _pair(label: str, base_label: str, rows: list[dict[str, Any]], x: list[Any],
+          value: Any) -> tuple[Series, Series]:
+    """Project and baseline series over ``rows`` (sorted already), ``value(row, seconds)``
+    turning a median into the plotted unit."""
+    names = tuple(r["name"] for r in rows)
+    return (Series(label, "project", tuple(x),
+                   tuple(value(r, r["median_s"]) for r in rows), names),
+            Series(base_label, "baseline", tuple(x),
+                   tuple(value(r, r["baseline_s"]) for r in rows), names))
+
+
+def _gbps(row: dict[str, Any], seconds: float) -> float:
+    return row["detail"]["bytes"] / seconds / 1e9
+
+
+def _read_label(row: dict[str, Any]) -> str:
+    if row["name"] == "pipeline":
+        return f"pipeline\n{row['detail']['bytes'] >> 20} MiB"
+    engine, size = row["name"].split("_read_", 1)
+    if row["detail"].get("descriptors", 1) > 1:  # scattered blocks: say the total too
+        size += f"\n({row['detail']['bytes'] / (1 << 20):.3g} MiB)"
+    return f"{engine}\n{size}"
+
+
+def chart_series(rep: dict[str, Any]) -> list[Chart]:
+    """The four charts of ``rep`` (a ``bench --json`` report), in ``CHART_FILES`` order.
+    A chart whose rows did not run (``--only``) has no series."""
+    rows = rep["rows"]
+    reads = [r for r in rows if re.fullmatch(r"(host|mooncake)_read_\w+", r["name"])]
+    reads.sort(key=lambda r: (r["name"].startswith("mooncake"), r["detail"]["bytes"],
+                              r["detail"].get("descriptors", 1)))
+    reads += [r for r in rows if r["name"] == "pipeline"]
+    plan = [r for r in rows if r["name"].startswith("plan_scale_")]
+    decode = sorted((r for r in rows if re.fullmatch(r"decode_core_layer(_\d+req)?", r["name"])),
+                    key=lambda r: r["detail"]["requests"])
+    prefill = sorted((r for r in rows if re.fullmatch(r"prefill_layer_cpu(_\d+ep)?", r["name"])),
+                     key=lambda r: r["detail"]["endpoints"])
+
+    def ms(_row: dict[str, Any], s: float) -> float:
+        return s * 1e3
+
+    def us(_row: dict[str, Any], s: float) -> float:
+        return s * 1e6
+
+    plan_series: list[Series] = []
+    for kind in ("runs", "scattered"):
+        mine = sorted((r for r in plan if r["detail"]["contiguous"] == (kind == "runs")),
+                      key=lambda r: r["detail"]["block_pairs"])
+        if mine:
+            plan_series += _pair(f"plan_layer_reads, {kind}", f"per-block Python loop, {kind}",
+                                 mine, [r["detail"]["block_pairs"] for r in mine], ms)
+    return [
+        Chart(CHART_FILES[0], "Data plane: throughput, project vs baseline", "transfer",
+              "GB/s", True, False,
+              _pair("project: engine read between processes / runtime pipeline",
+                    "baseline: in-process numpy.copyto / one batched read", reads,
+                    [_read_label(r) for r in reads], _gbps) if reads else ()),
+        Chart(CHART_FILES[1], "Read planning: cost vs block pairs per layer",
+              "block pairs per layer (x 4 tensors)", "ms per layer", False, True,
+              tuple(plan_series)),
+        Chart(CHART_FILES[2], "Decode core: one layer vs decoding its READY",
+              "requests per layer (32 blocks each)", "us per layer", False, True,
+              _pair("Decode core: on_frame(READY) -> read_result -> READ_DONE",
+                    "baseline: wire.decode of the READY", decode,
+                    [r["detail"]["requests"] for r in decode], us) if decode else ()),
+        Chart(CHART_FILES[3], "Prefill: process CPU per layer vs bare ZMQ",
+              "Decode endpoints (64 requests x 32 blocks)", "us CPU per layer", False, False,
+              _pair("Prefill worker (cores, machines, ZMQ threads)",
+                    "baseline: msgpack.packb + send, recv replies", prefill,
+                    [r["detail"]["endpoints"] for r in prefill], us) if prefill else ()),
+    ]
+
+
+def _draw(chart: Chart, path: str, note: str) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg by default
+    from matplotlib.ticker import NullLocator
+
+    fig = Figure(figsize=(8, 4.8), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    fig.suptitle(chart.title, fontsize=12)
+    ax.set_title(note, fontsize=8, color="#666666")
+    ax.set_xlabel(chart.xlabel)
+    ax.set_ylabel(chart.ylabel)
+    if not chart.series:
+        ax.text(0.5, 0.5, "no rows for this chart in this run", ha="center", va="center",
+                transform=ax.transAxes)
+    elif chart.bars:
+        cats = list(chart.series[0].x)
+        width = 0.8 / len(chart.series)
+        for k, s in enumerate(chart.series):
+            pos = [cats.index(c) + (k - (len(chart.series) - 1) / 2) * width for c in s.x]
+            bars = ax.bar(pos, s.y, width, label=s.label,
+                          color=_PROJECT if s.side == "project" else _BASELINE)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(cats)), cats, fontsize=8)
+    else:
+        for s in chart.series:
+            scattered = "scattered" in s.label
+            ax.plot(s.x, s.y, marker="o", label=s.label,
+                    color=_PROJECT if s.side == "project" else _BASELINE,
+                    linestyle="--" if scattered else "-")
+        if chart.log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+        xs = sorted({x for s in chart.series for x in s.x})
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])  # the measured points, nothing between
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(True, which="major", alpha=0.3)
+    if chart.series:
+        ax.legend(fontsize=8)
+    # No timestamp or version in the file, so the same report draws the same bytes.
+    fig.savefig(path, format="png", metadata={"Software": None})
+
+
+def write_charts(rep: dict[str, Any], out_dir: str) -> list[str]:
+    """Draw the four charts of ``rep`` into ``out_dir`` (created); their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    note = (f"sfa-rd2h bench{' --quick' if rep.get('quick') else ''}, "
+            f"{rep.get('cpus')} CPUs; medians of interleaved samples")
+    paths = []
+    for chart in chart_series(rep):
+        path = os.path.join(out_dir, chart.file)
+        _draw(chart, path, note)
+        paths.append(path)
+    return paths

@@ -5,7 +5,8 @@ Each benchmark here runs the real workers in two processes (the peers are
 (ABBA) in one run, as the micro benchmarks in ``bench`` are:
 
 * control-plane round trip of a zero-block layer vs a bare DEALER/ROUTER msgpack echo;
-* Prefill CPU per layer (64 requests x 8 endpoints) vs msgpack encode + send + receive;
+* Prefill CPU per layer (64 requests x 8 endpoints, and 1, 2, 4 for the chart) vs msgpack
+  encode + send + receive;
 * CPU of an idle Prefill + Decode pair;
 * the share of control-plane CPU spent in the machines (profiled with each thread's CPU
   clock, in both processes);
@@ -266,23 +267,25 @@ def _layer_metas() -> dict[str, wire.LayerMeta]:
         (1,) * 4, (0, 0, 1, 1), 2, True) for i in range(LAYER_LAYERS)}
 
 
-def _layer_requests(seed: int = 5) -> list[tuple[str, int, list[int], list[int]]]:
-    """(ext id, endpoint index, main ids, indexer ids) of one step's requests."""
+def _layer_requests(endpoints: int = LAYER_ENDPOINTS,
+                    seed: int = 5) -> list[tuple[str, int, list[int], list[int]]]:
+    """(ext id, endpoint index, main ids, indexer ids) of one step's requests, dealt round
+    robin over ``endpoints`` (the ids do not depend on the endpoint count)."""
     rng = np.random.default_rng(seed)
-    return [(f"req-{i:05d}", i % LAYER_ENDPOINTS,
+    return [(f"req-{i:05d}", i % endpoints,
              rng.permutation(1 << 16)[:LAYER_BLOCKS].tolist(),
              rng.permutation(1 << 16)[:LAYER_BLOCKS].tolist()) for i in range(LAYER_REQUESTS)]
 
 
-def _bare_layer_fields(reqs: list[tuple[str, int, list[int], list[int]]],
-                       names: list[str]) -> list[list[tuple[Any, ...]]]:
+def _bare_layer_fields(reqs: list[tuple[str, int, list[int], list[int]]], names: list[str],
+                       endpoints: int = LAYER_ENDPOINTS) -> list[list[tuple[Any, ...]]]:
     """Per layer, per endpoint, the READY fields written out as plain tuples (no wire code):
     every request's full lists, and on the last layer the ids of the finished requests."""
     out = []
     for layer, name in enumerate(names):
         last = layer == len(names) - 1
         row = []
-        for ep in range(LAYER_ENDPOINTS):
+        for ep in range(endpoints):
             mine = [r for r in reqs if r[1] == ep]
             entries = tuple((ext, tuple(m), tuple(x), 0, 0) for ext, _, m, x in mine)
             done = tuple(ext for ext, *_ in mine) if last else ()
@@ -319,101 +322,131 @@ def _verify_layer_frames(ports: list[int], reqs: list[tuple[str, int, list[int],
                                  "from the bare frame")
 
 
-def bench_prefill_layer(sizes: Sizes, profile: bool = False) -> Result | pstats.Stats:
-    """Prefill-side process CPU per layer; with ``profile`` only the runtime side runs,
-    under the thread profiler, and its stats come back."""
+def bench_prefill_layer(sizes: Sizes) -> list[Result]:
+    """Prefill process CPU per layer at each endpoint count of the sweep, against one echo
+    peer: ``prefill_layer_cpu`` at 8 endpoints (the figure), ``prefill_layer_cpu_<N>ep`` at
+    the others."""
+    counts = sorted({*sizes.endpoints, LAYER_ENDPOINTS})
+    with running("echo", "--sockets", str(counts[-1])) as echo:
+        ports = echo.info["ports"]
+        out = []
+        for k in counts:
+            proj, base = _prefill_layer(sizes, ports[:k])
+            out.append(_prefill_layer_row(sizes, k, proj, base))
+    return out
+
+
+def profile_prefill_layer(sizes: Sizes) -> pstats.Stats:
+    """The runtime side of the 8-endpoint per-layer workload alone, under the thread
+    profiler (for the machine share)."""
+    with running("echo", "--sockets", str(LAYER_ENDPOINTS)) as echo:
+        prof = peers.ThreadProfiles()
+        prof.start()
+        try:
+            _prefill_layer(sizes, echo.info["ports"], prof)
+        except BaseException:
+            prof.stop()
+            raise
+    stats = pstats.Stats(prof.profiles[0])
+    for p in prof.profiles[1:]:
+        stats.add(p)
+    return stats
+
+
+def _prefill_layer(sizes: Sizes, ports: list[int],
+                   prof: peers.ThreadProfiles | None = None) -> tuple[list[float], list[float]]:
+    """Per-layer CPU samples (runtime, bare) with one Decode endpoint per port; with
+    ``prof`` (started) only the runtime side runs, ``prof`` is stopped before the worker
+    closes, and no samples come back."""
     from sfa_rd2h.runtime.control import PrefillWorker
     from sfa_rd2h.spec.topology import tp_mapping
     from sfa_rd2h.statemachines.cores.prefill import PrefillCore
 
-    reqs = _layer_requests()
+    n_ep = len(ports)
+    reqs = _layer_requests(n_ep)
     names = list(_layer_metas())
-    fields = _bare_layer_fields(reqs, names)
-    with running("echo", "--sockets", str(LAYER_ENDPOINTS)) as echo:
-        ports = echo.info["ports"]
-        if not profile:
-            _verify_layer_frames(ports, reqs, fields)
-        prof = peers.ThreadProfiles() if profile else None
+    fields = _bare_layer_fields(reqs, names, n_ep)
+    if prof is None:
+        _verify_layer_frames(ports, reqs, fields)
+    core = PrefillCore(0, tp_mapping(1, 1), "127.0.0.1:1", _layer_metas(),
+                       block_size=_BLOCK_TOKENS)
+    worker = PrefillWorker(core)
+    ctx = zmq.Context()
+    socks = []
+    for p in ports:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{p}")
+        socks.append(s)
+    params = [_params(p) for p in ports]
+    step = [0]
+
+    def project_step() -> None:
+        n = step[0]
+        step[0] += 1
+        for ext, ep, m, x in reqs:
+            worker.add_request(f"{ext}.{n}", params[ep], m, x)
+        for ext, *_ in reqs:
+            worker.schedule_chunk(f"{ext}.{n}", LAYER_BLOCKS * _BLOCK_TOKENS, True)
+        for layer in range(LAYER_LAYERS):
+            worker.wait_for_layer_send(layer, _TIMEOUT)
+            worker.begin_layer(layer)
+            worker.layer_written(layer, None)
+
+    def project(steps: int) -> list[float]:
+        c0 = time.process_time()
+        for _ in range(steps):
+            project_step()
+        errors = worker.drain(_TIMEOUT)  # every reply taken
+        if errors:
+            raise BenchError(f"prefill_layer_cpu: {errors[0]}")
+        return [(time.process_time() - c0) / (steps * LAYER_LAYERS)]
+
+    packb = msgpack.packb
+
+    def baseline(steps: int) -> list[float]:
+        c0 = time.process_time()
+        for _ in range(steps):
+            for row in fields:
+                for s, f in zip(socks, row, strict=True):
+                    s.send(packb(f))
+                for s in socks:
+                    s.recv()
+        return [(time.process_time() - c0) / (steps * LAYER_LAYERS)]
+
+    try:
+        project(1)  # handshakes, warm-up
+        baseline(1)
         if prof is not None:
-            prof.start()
-        core = PrefillCore(0, tp_mapping(1, 1), "127.0.0.1:1", _layer_metas(),
-                           block_size=_BLOCK_TOKENS)
-        worker = PrefillWorker(core)
-        ctx = zmq.Context()
-        socks = []
-        for p in ports:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://127.0.0.1:{p}")
-            socks.append(s)
-        params = [_params(p) for p in ports]
-        step = [0]
+            project(sizes.layer_steps * sizes.layer_repeat)
+            prof.stop()
+            return [], []
+        proj, base = _abba([lambda: project(sizes.layer_steps),
+                            lambda: baseline(sizes.layer_steps)], sizes.layer_repeat)
+    finally:
+        worker.close()
+        for s in socks:
+            s.close()
+        ctx.term()
+    return proj, base
 
-        def project_step() -> None:
-            n = step[0]
-            step[0] += 1
-            for ext, ep, m, x in reqs:
-                worker.add_request(f"{ext}.{n}", params[ep], m, x)
-            for ext, *_ in reqs:
-                worker.schedule_chunk(f"{ext}.{n}", LAYER_BLOCKS * _BLOCK_TOKENS, True)
-            for layer in range(LAYER_LAYERS):
-                worker.wait_for_layer_send(layer, _TIMEOUT)
-                worker.begin_layer(layer)
-                worker.layer_written(layer, None)
 
-        def project(steps: int) -> list[float]:
-            c0 = time.process_time()
-            for _ in range(steps):
-                project_step()
-            errors = worker.drain(_TIMEOUT)  # every reply taken
-            if errors:
-                raise BenchError(f"prefill_layer_cpu: {errors[0]}")
-            return [(time.process_time() - c0) / (steps * LAYER_LAYERS)]
-
-        packb = msgpack.packb
-
-        def baseline(steps: int) -> list[float]:
-            c0 = time.process_time()
-            for _ in range(steps):
-                for row in fields:
-                    for s, f in zip(socks, row, strict=True):
-                        s.send(packb(f))
-                    for s in socks:
-                        s.recv()
-            return [(time.process_time() - c0) / (steps * LAYER_LAYERS)]
-
-        try:
-            project(1)  # handshakes, warm-up
-            baseline(1)
-            if profile:
-                project(sizes.layer_steps * sizes.layer_repeat)
-                assert prof is not None
-                prof.stop()
-            else:
-                proj, base = _abba([lambda: project(sizes.layer_steps),
-                                    lambda: baseline(sizes.layer_steps)], sizes.layer_repeat)
-        finally:
-            worker.close()
-            for s in socks:
-                s.close()
-            ctx.term()
-    if profile:
-        assert prof is not None
-        stats = pstats.Stats(prof.profiles[0])
-        for p in prof.profiles[1:]:
-            stats.add(p)
-        return stats
+def _prefill_layer_row(sizes: Sizes, endpoints: int, proj: list[float],
+                       base: list[float]) -> Result:
     med, bmed = statistics.median(proj), statistics.median(base)
+    name = "prefill_layer_cpu" if endpoints == LAYER_ENDPOINTS else \
+        f"prefill_layer_cpu_{endpoints}ep"
     return Result(
-        "prefill_layer_cpu", med, bmed, "us/layer", 1e6,
+        name, med, bmed, "us/layer", 1e6,
         f"Prefill process CPU per layer, {LAYER_REQUESTS} req x {LAYER_BLOCKS} blocks to "
-        f"{LAYER_ENDPOINTS} Decode endpoints; vs msgpack.packb + send of the same "
-        f"{LAYER_ENDPOINTS} frames and {LAYER_ENDPOINTS} replies",
-        {"verified": True, "requests": LAYER_REQUESTS, "endpoints": LAYER_ENDPOINTS,
+        f"{endpoints} Decode endpoints; vs msgpack.packb + send of the same "
+        f"{endpoints} frames and {endpoints} replies",
+        {"verified": True, "requests": LAYER_REQUESTS, "endpoints": endpoints,
          "layers": LAYER_LAYERS, "repeat": len(proj), "loops": [sizes.layer_steps] * 2,
          "spread": [round((max(proj) - min(proj)) / med, 3),
                     round((max(base) - min(base)) / bmed, 3)],
-         "baseline": "bare DEALERs: packb + send 8 READYs, recv 8 replies, per layer"})
+         "baseline": f"bare DEALERs: packb + send {endpoints} READYs, recv {endpoints} "
+                     "replies, per layer"})
 
 
 # ----------------------------------------------------------------------------- 3. machines
@@ -454,8 +487,7 @@ def bench_machine_share(sizes: Sizes) -> Result:
         for p in prof.profiles[1:]:
             rtt.add(p)
         rtt_d = pstats.Stats(dump)
-    layer = bench_prefill_layer(sizes, profile=True)
-    assert isinstance(layer, pstats.Stats)
+    layer = profile_prefill_layer(sizes)
     parts = {"rtt_prefill": machine_time(rtt), "rtt_decode": machine_time(rtt_d),
              "prefill_layer": machine_time(layer)}
     machine = sum(m for m, _ in parts.values())
