@@ -462,6 +462,21 @@ def test_decode_meta_reply_rejects(frame: Any, text: str) -> None:
         decode_meta_reply(frame)
 
 
+def test_messages_built_locally_refuse_what_they_cannot_send() -> None:
+    """Prefill builds MF_META from its own layer table: a table that is no mapping, or one
+    that holds something other than layouts, is refused by name before anything is sent."""
+    with pytest.raises(WireError) as info:
+        MfMeta("h:1", ["l0", "l1"])  # type: ignore[arg-type]
+    assert str(info.value) == "layers: expected a mapping, got list ['l0', 'l1']"
+    for layers, text in (({"l0": 5}, "layers['l0']: expected LayerMeta, got int 5"),
+                         ({"": META_MAIN}, "layer name: must not be empty")):
+        with pytest.raises(WireError) as info:
+            encode_layer_metadata(layers)  # type: ignore[arg-type]
+        assert str(info.value) == text
+    table = LayerTable(LAYERS)
+    assert encode_layer_metadata(table) == encode_layer_metadata(LAYERS)
+
+
 def test_mf_meta_layout_version_needs_a_protocol_version() -> None:
     with pytest.raises(WireError, match="without a protocol_version"):
         MfMeta("h:1", LAYERS, None, 1)
@@ -644,6 +659,10 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("done-huge", pack([READ_DONE, 2**64 - 1]), "layer_idx: 18446744073709551615 is out of"),
     ("failed-short", pack([READ_FAILED, 1]), "read_failed: expected at least 3 fields"),
     ("failed-error-bin", pack([READ_FAILED, 1, b"x"]), "error: expected str, got bytes"),
+    ("failed-layer-neg", pack([READ_FAILED, -1, "x"]),
+     "read_failed: layer_idx: -1 is out of range [0, 65535]"),
+    ("meta-layout-version-neg", pack([MF_META, "h", pack({}), 1, -1]),
+     "mf_meta: layout_version: -1 is out of range [0, 4294967295]"),
     ("ready-4", pack(ready_fields()[:4]), "expected 5 (legacy) or at least 7 fields, got 4"),
     ("ready-6", pack(ready_fields()[:6]), "expected 5 (legacy) or at least 7 fields, got 6"),
     ("ready-name-bin", pack(ready_fields(layer_name=b"l")), "layer_name: expected str, got bytes"),
