@@ -475,6 +475,13 @@ def test_messages_built_locally_refuse_what_they_cannot_send() -> None:
         assert str(info.value) == text
     table = LayerTable(LAYERS)
     assert encode_layer_metadata(table) == encode_layer_metadata(LAYERS)
+    for args, text in (((-1,), "protocol_version: -1 is out of range [0, 4294967295]"),
+                       ((1, -1), "layout_version: -1 is out of range [0, 4294967295]"),
+                       ((1, None, 0, 0), "pp_size: 0 is out of range [1, 65535]"),
+                       ((1, None, 2, 2), "pp_rank: 2 is out of range [0, 1]")):
+        with pytest.raises(WireError) as info:
+            MfMeta("h:1", {}, *args)
+        assert str(info.value) == text
 
 
 def test_mf_meta_layout_version_needs_a_protocol_version() -> None:
