@@ -482,6 +482,19 @@ def test_messages_built_locally_refuse_what_they_cannot_send() -> None:
         with pytest.raises(WireError) as info:
             MfMeta("h:1", {}, *args)
         assert str(info.value) == text
+    # Decode's answer likewise.
+    for args, text in (((1, 1), "accepted: expected bool, got int 1"),
+                       ((True, 1, -1), "layout_version: -1 is out of range [0, 4294967295]"),
+                       ((False, 1, None, b"no"), "error: expected str, got bytes b'no'")):
+        with pytest.raises(WireError) as info:
+            MfMetaAck(*args)
+        assert str(info.value) == text
+    # As many layers as a model may have, and not one more.
+    many = [(f"model.layers.{i}", META_MAIN) for i in range(wire.MAX_LAYERS)]
+    assert len(LayerTable(many)) == wire.MAX_LAYERS
+    with pytest.raises(WireError) as info:
+        LayerTable([*many, ("one.more", META_MAIN)])
+    assert str(info.value) == f"layers: more than {wire.MAX_LAYERS} layers"
 
 
 def test_mf_meta_layout_version_needs_a_protocol_version() -> None:
