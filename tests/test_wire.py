@@ -683,8 +683,10 @@ MALFORMED: list[tuple[str, Any, str]] = [
      "read_failed: layer_idx: -1 is out of range [0, 65535]"),
     ("meta-layout-version-neg", pack([MF_META, "h", pack({}), 1, -1]),
      "mf_meta: layout_version: -1 is out of range [0, 4294967295]"),
-    ("ready-4", pack(ready_fields()[:4]), "expected 5 (legacy) or at least 7 fields, got 4"),
-    ("ready-6", pack(ready_fields()[:6]), "expected 5 (legacy) or at least 7 fields, got 6"),
+    ("ready-4", pack(ready_fields()[:4]),
+     "read_ready_batch: expected 5 (legacy) or at least 7 fields, got 4"),
+    ("ready-6", pack(ready_fields()[:6]),
+     "read_ready_batch: expected 5 (legacy) or at least 7 fields, got 6"),
     ("ready-name-bin", pack(ready_fields(layer_name=b"l")), "layer_name: expected str, got bytes"),
     ("ready-name-empty", pack(ready_fields(layer_name="")), "layer_name: must not be empty"),
     ("ready-layer-big", pack(ready_fields(layer_idx=MAX_LAYER_IDX + 1)), "layer_idx: 65536 is"),
@@ -811,6 +813,8 @@ MALFORMED: list[tuple[str, Any, str]] = [
      "mf_meta_ack: expected a version or a bool, got list ['yes']"),
     ("ack-empty", pack([MF_META_ACK]), "mf_meta_ack: expected a version or a bool, got list []"),
     ("ack-version-neg", pack([MF_META_ACK, True, -1, 1, ""]), "protocol_version: -1 is out"),
+    ("ack-accepts-v0", pack([MF_META_ACK, True, 0, None, ""]),
+     "mf_meta_ack: an accepting mf_meta_ack needs a protocol_version >= 1"),
 ]
 
 
