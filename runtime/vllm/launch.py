@@ -395,17 +395,37 @@ def launch_engine(name: str, opts: EngineOptions, *, port: int, log_dir: Path | 
     full_env = {**os.environ, **BASE_ENV, "VLLM_LOGGING_CONFIG_PATH": str(log_config),
                 **(env or {})}
     if cpu_bind is not None:
-        full_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+        full_env.update(omp_env(cpu_bind))
     server = EngineServer(name=name, port=port, cmd=cmd, env=full_env, host=host,
                           log_path=Path(log_dir) / f"{name}.log")
     return server.start()
 
 
+NO_BIND = "nobind"  # vLLM's value for "leave the worker's threads unpinned"
+
+
+def omp_env(cpu_bind: str) -> dict[str, str]:
+    """The environment that gives an engine's CPU worker ``cpu_bind``; unpinned, one
+    OpenMP thread, as a pinned engine has (one core, one thread)."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind}
+    if cpu_bind == NO_BIND:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def cpu_binds(n: int) -> list[str]:
-    """A core for each of ``n`` engines, round robin over the cores this process may use:
-    two engines whose OpenMP threads spin on the same cores slow each other down."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` for each of ``n`` engines: a core of its own while the
+    cores this process may use suffice (two engines whose OpenMP threads spin on the same
+    cores slow each other down), else ``"nobind"`` for all. Never two engines pinned to one
+    core: vLLM's CPU worker pins every thread it starts to its cores, and an idle worker
+    whose engine keeps stepping (a request waiting for remote KV) spins on ``sched_yield``;
+    pinned beside it, a runnable Prefill worker got no CPU at all for minutes (observed on
+    this 6.18 kernel: state R, CPU ticks unchanged, while the spinner took 100% of the
+    core), so the KV the spinner waited for never came."""
     cores = sorted(os.sched_getaffinity(0))
-    return [str(cores[i % len(cores)]) for i in range(n)]
+    if n > len(cores):
+        return [NO_BIND] * n
+    return [str(core) for core in cores[:n]]
 
 
 # ---------------------------------------------------------------------------- deployment
@@ -722,7 +742,7 @@ class ReferenceRun:
         self.log_path = Path(log_dir) / "reference.log"
         env = {**os.environ, **BASE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if cpu_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+            env.update(omp_env(cpu_bind))
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in result()/kill()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
