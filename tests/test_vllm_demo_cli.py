@@ -91,3 +91,16 @@ def test_launch_ports_are_free_distinct_and_below_the_ephemeral_range():
     for p in ports:  # each can be bound once chosen
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_engines_get_a_core_each_or_none_is_pinned(monkeypatch):
+    """Never two engines pinned to one core: a vLLM worker spinning on sched_yield starves
+    a runnable worker pinned beside it (the e2e's stall). With enough cores each engine
+    gets its own; with fewer, none is pinned and each runs one OpenMP thread."""
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: {2, 5})
+    assert launch.cpu_binds(2) == ["2", "5"]
+    assert launch.cpu_binds(1) == ["2"]
+    assert launch.cpu_binds(3) == [launch.NO_BIND] * 3
+    assert launch.omp_env("5") == {"VLLM_CPU_OMP_THREADS_BIND": "5"}
+    assert launch.omp_env(launch.NO_BIND) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                              "OMP_NUM_THREADS": "1"}
