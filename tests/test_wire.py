@@ -482,6 +482,9 @@ def test_messages_built_locally_refuse_what_they_cannot_send() -> None:
         with pytest.raises(WireError) as info:
             MfMeta("h:1", {}, *args)
         assert str(info.value) == text
+    with pytest.raises(WireError) as info:
+        ReadReq("", (1,), (1,))
+    assert str(info.value) == "ext_req_id: must not be empty"
     # Decode's answer likewise.
     for args, text in (((1, 1), "accepted: expected bool, got int 1"),
                        ((True, 1, -1), "layout_version: -1 is out of range [0, 4294967295]"),
@@ -690,7 +693,8 @@ MALFORMED: list[tuple[str, Any, str]] = [
     ("ready-name-bin", pack(ready_fields(layer_name=b"l")), "layer_name: expected str, got bytes"),
     ("ready-name-empty", pack(ready_fields(layer_name="")), "layer_name: must not be empty"),
     ("ready-layer-big", pack(ready_fields(layer_idx=MAX_LAYER_IDX + 1)), "layer_idx: 65536 is"),
-    ("ready-reqs-map", pack(ready_fields(read_reqs={"a": 1})), "read_reqs: expected an array"),
+    ("ready-reqs-map", pack(ready_fields(read_reqs={"a": 1})),
+     "read_ready_batch: read_reqs: expected an array, got dict {'a': 1}"),
     ("ready-req-str", pack(ready_fields(read_reqs=["r"])),
      "read_reqs[0]: expected an array, got str 'r'"),
     (
@@ -749,7 +753,11 @@ MALFORMED: list[tuple[str, Any, str]] = [
         "ext_req_id: 1025 characters exceed the limit of 1024",
     ),
     ("ready-done-int", pack(ready_fields(done_ext_ids=[1])), "done_ext_ids[0]: expected str"),
-    ("ready-done-str", pack(ready_fields(done_ext_ids="r")), "done_ext_ids: expected an array"),
+    ("ready-done-str", pack(ready_fields(done_ext_ids="r")),
+     "read_ready_batch: done_ext_ids: expected an array, got str 'r'"),
+    ("ready-too-many", pack(ready_fields(read_reqs=[["r", []]] * (wire.MAX_ENTRIES + 1))),
+     f"read_ready_batch: read_reqs: {wire.MAX_ENTRIES + 1} entries exceed the limit of "
+     f"{wire.MAX_ENTRIES}"),
     (
         "ready-member-ge-ratio",
         pack(ready_fields(group_member_idx=2, tp_ratio=2)),
@@ -1106,6 +1114,12 @@ def test_fast_id_check_refuses_like_the_per_list_check(bad: Any, field: int,
         ReadReq(*args)
     assert str(exc.value) == f"read_ready_batch: read_reqs[1]: {exact.value}"
     assert str(exact.value).startswith(f"{name}[2]: ")
+
+
+def test_a_ready_may_carry_max_entries() -> None:
+    entries = [["r", [1]]] * wire.MAX_ENTRIES
+    msg = decode(pack(ready_fields(read_reqs=entries, done_ext_ids=[])))
+    assert isinstance(msg, ReadReadyBatch) and len(msg.read_reqs) == wire.MAX_ENTRIES
 
 
 def test_fast_id_check_keeps_valid_zero_and_one_ids() -> None:
