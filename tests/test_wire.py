@@ -482,9 +482,16 @@ def test_messages_built_locally_refuse_what_they_cannot_send() -> None:
         with pytest.raises(WireError) as info:
             MfMeta("h:1", {}, *args)
         assert str(info.value) == text
-    with pytest.raises(WireError) as info:
-        ReadReq("", (1,), (1,))
-    assert str(info.value) == "ext_req_id: must not be empty"
+    for args, text in ((("", (1,), (1,)), "ext_req_id: must not be empty"),
+                       (("r", (1,), (1,), -1),
+                        "main_dest_start: -1 is out of range [0, 2147483647]"),
+                       (("r", (1,), (1,), 0, -1),
+                        "indexer_dest_start: -1 is out of range [0, 2147483647]"),
+                       (("r", (1,), (-1,)), "p_indexer_block_ids[0]: -1 is out of range "
+                                             "[0, 2147483647]")):
+        with pytest.raises(WireError) as info:
+            ReadReq(*args)
+        assert str(info.value) == text
     # Decode's answer likewise.
     for args, text in (((1, 1), "accepted: expected bool, got int 1"),
                        ((True, 1, -1), "layout_version: -1 is out of range [0, 4294967295]"),
