@@ -495,6 +495,23 @@ def test_a_one_rank_gloo_group_in_this_process(monkeypatch: pytest.MonkeyPatch) 
     group.close()  # idempotent
 
 
+def test_a_gloo_group_remembers_as_many_agreed_ids_as_it_is_told() -> None:
+    """done_memory reaches the agreement: with room for one id, a late report for an id
+    pushed out by a newer one is agreed again instead of being ignored as late."""
+    import torch.distributed as dist
+
+    group = GlooTpGroup(0, 1, f"tcp://127.0.0.1:{_free_port()}", done_memory=1)
+    try:
+        assert group.agree({"a": True}) == {"a": True}
+        assert group.agree({"a": False}) == {} and group.late_reports == 1  # remembered
+        assert group.agree({"b": True}) == {"b": True}
+        assert group.agree({"a": False}) == {"a": False}  # pushed out by "b"
+        assert group.late_reports == 1
+    finally:
+        group.close()
+    assert not dist.is_initialized()
+
+
 def test_gloo_group_errors_name_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
