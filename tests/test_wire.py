@@ -492,6 +492,15 @@ def test_messages_built_locally_refuse_what_they_cannot_send() -> None:
         with pytest.raises(WireError) as info:
             ReadReq(*args)
         assert str(info.value) == text
+    entry = ReadReq("r", (1,), (1,))
+    listed = ReadReadyBatch(0, "l", [entry], ["r"])  # type: ignore[arg-type]
+    assert (listed.read_reqs, listed.done_ext_ids) == ((entry,), ("r",))
+    for args, text in (((-1, "l", (), ()), "layer_idx: -1 is out of range [0, 65535]"),
+                       ((0, "l", "r", ()), "read_reqs: expected a list, got str 'r'"),
+                       ((0, "l", (), "r"), "done_ext_ids: expected a list, got str 'r'")):
+        with pytest.raises(WireError) as info:
+            ReadReadyBatch(*args)
+        assert str(info.value) == text
     # Decode's answer likewise.
     for args, text in (((1, 1), "accepted: expected bool, got int 1"),
                        ((True, 1, -1), "layout_version: -1 is out of range [0, 4294967295]"),
