@@ -587,3 +587,16 @@ def test_source_layout_refusals_name_the_field() -> None:
         "L1: main destination block id 3 appears more than once")
     assert _layout_error(validate_dest_range, [2, 2], 8, "main") == (
         "L1: main destination block id 2 appears more than once")
+
+
+def test_block_ids_come_back_as_int64_whatever_integer_type_they_arrive_in() -> None:
+    """Unsigned ids are valid up to the largest int64 (2**63 - 1) and refused above it; an
+    empty list is an empty int64 array too, as the range checks promise."""
+    top = np.array([3, 2**63 - 1], dtype=np.uint64)
+    ids = validate_src_range(top, None, "main")
+    assert ids.dtype == np.int64 and ids.tolist() == [3, 2**63 - 1]
+    assert validate_dest_range(np.array([0, 5], dtype=np.uint8), 8, "main").tolist() == [0, 5]
+    assert _layout_error(validate_src_range, np.array([2**63], dtype=np.uint64), None,
+                         "main") == f"L1: main block id {2**63} is out of range"
+    for empty in (validate_src_range([], None, "main"), validate_dest_range([], 8, "main")):
+        assert (empty.dtype, empty.size) == (np.dtype(np.int64), 0)
