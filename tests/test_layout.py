@@ -600,3 +600,28 @@ def test_block_ids_come_back_as_int64_whatever_integer_type_they_arrive_in() -> 
                          "main") == f"L1: main block id {2**63} is out of range"
     for empty in (validate_src_range([], None, "main"), validate_dest_range([], 8, "main")):
         assert (empty.dtype, empty.size) == (np.dtype(np.int64), 0)
+
+
+def test_read_plans_are_uint64_two_neighbours_merge_and_ragged_ones_name_each_length() -> None:
+    plan = ReadPlan([0, 8], [100, 108], [8, 8])
+    assert [a.dtype for a in (plan.local_addrs, plan.peer_addrs, plan.lengths)] == [
+        np.dtype(np.uint64)] * 3
+    merged = plan.coalesced()  # the second continues the first on both sides
+    assert (merged.local_addrs.tolist(), merged.peer_addrs.tolist(),
+            merged.lengths.tolist()) == ([0], [100], [16])
+    assert _layout_error(ReadPlan, [1, 2], [1], [1, 2, 3]) == (
+        "L1: read plan arrays differ in length: local 2, peer 1, lengths 3")
+
+
+def test_an_unhashable_layout_is_checked_every_time_and_still_passes() -> None:
+    """A source layout that cannot be remembered (a plain namespace) is checked on each
+    call instead, with the same answer."""
+    from types import SimpleNamespace
+
+    src, dst = make_pair()
+    loose = SimpleNamespace(**{f: getattr(src, f) for f in (
+        "base_addrs", "block_len", "block_size_scale", "tensor_group_idx",
+        "main_tensor_count", "has_indexer")})
+    for _ in range(2):
+        validate_layer(loose, dst)
+    assert len(plan_layer_reads(loose, dst, [1], [2], [3], [4])) == 4
