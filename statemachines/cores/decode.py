@@ -653,9 +653,9 @@ def _gather(id_lists: list[tuple[int, ...]], counts: np.ndarray, dests: list[np.
             lo: np.ndarray, hi: np.ndarray,
             dest_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Entry ``i``'s source ids (``counts[i]`` of them) at positions ``[lo[i], hi[i])``,
-    all entries joined into one
-    int64 array, and the destination blocks they land in: ``dests[i]`` from
-    ``dest_start[i] + lo[i]`` on. The ranges were checked against ``dests`` (L1)."""
+    all entries joined into one int64 array, and the destination blocks they land in:
+    ``dests[i]`` from ``dest_start[i] + lo[i]`` on. The ranges were checked against
+    ``dests`` (L1)."""
     total = int(np.maximum(hi - lo, 0).sum())
     los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
     if not lo.any() and np.array_equal(hi, counts):  # every piece is its whole list
