@@ -259,7 +259,15 @@ class _CtrlC:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
+        if not self._installed:
+            return
+        if self.presses:
+            # Interrupted: the process is about to exit 130. Python's own handler would turn
+            # a late press into a second KeyboardInterrupt, and at interpreter shutdown the
+            # default action would kill the process (exit -2); an ignored SIGINT stays
+            # ignored through shutdown.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
             signal.signal(signal.SIGINT, self._previous)
 
 
