@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,27 @@ def test_stats_are_collected_anew_when_a_target_is_added(tmp_path: Path) -> None
     assert run(["spec/wire.py"])  # a subset: kept (mutmut drops the other file's part)
     assert not run(["spec/wire.py", "spec/layout.py"])  # layout.py has none: taken anew
     assert not run(["runtime/tp_group.py"])
+    assert run(["runtime/tp_group.py"])
+
+
+def test_stats_are_collected_anew_when_a_test_changes(tmp_path: Path) -> None:
+    """mutmut's own incremental pass for new tests ignores the configured deselection, so a
+    changed test file means a full stats pass; unchanged tests keep the stats."""
+    stage = tmp_path / "stage"
+    stats = stage / "mutants/mutmut-stats.json"
+    mutation.stage(REPO, stage, ["runtime/tp_group.py"], mutation.TEST_FILES, fresh=False)
+    stats.write_text("{}")
+    mutation.stage(REPO, stage, ["runtime/tp_group.py"], mutation.TEST_FILES, fresh=False)
+    assert stats.exists()
+    # a test edited in the checkout since: staging copies it and the stats go
+    real_root = tmp_path / "repo"
+    shutil.copytree(REPO / "tests", real_root / "tests")
+    for name in (*mutation.PACKAGE_DIRS, "pyproject.toml"):
+        (real_root / name).symlink_to(REPO / name)
+    with (real_root / "tests/test_tp_group.py").open("a") as f:
+        f.write("\n# edited\n")
+    mutation.stage(real_root, stage, ["runtime/tp_group.py"], mutation.TEST_FILES, fresh=False)
+    assert not stats.exists()
 
 
 def test_results_are_read_from_mutmut_meta_files(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -95,6 +96,10 @@ DESELECTED = {
         "waits out a registry that never answers (lanes, not codec or layout logic)",
 }
 PER_TEST_TIMEOUT_S = 60  # pytest-timeout per test under a mutant (a mutant may hang a wait)
+# The same bound for mutmut's stats and clean-suite passes, which run every selected test
+# unmutated: the spawned gloo ranks of test_tp_group take 20 s alone and over 60 s beside
+# other load, and a timeout there stops the whole run.
+CLEAN_TEST_TIMEOUT_S = 300
 EQUIVALENTS = Path("tests/data/equivalent_mutants.json")
 STAGE = Path("build/mutation")
 HITS_ENV = "SFA_RD2H_MUTATION_HITS"
@@ -175,7 +180,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Fastest tests first, so a mutant is usually killed by its cheapest test."""
+    """Fastest tests first, so a mutant is usually killed by its cheapest test. Unmutated
+    passes (stats, clean suite) get the looser bound: there a timeout is load, not a hang."""
+    if os.environ.get("MUTANT_UNDER_TEST") in ("stats", ""):
+        for item in items:
+            item.add_marker(pytest.mark.timeout({clean_timeout}))
     try:
         durations = json.loads(Path("mutmut-stats.json").read_text())["duration_by_test"]
     except (OSError, ValueError, KeyError):
@@ -247,10 +256,11 @@ def stage(root: Path, stage_dir: Path, files: Sequence[str], tests: Sequence[str
     _write_if_changed(stage_dir / "pyproject.toml", text + mutmut_config(files, tests))
     hooks = stage_dir / "hooks"
     _write_if_changed(hooks / "sitecustomize.py", _SITECUSTOMIZE.format(hits_env=HITS_ENV))
-    _write_if_changed(hooks / "sfa_rd2h_mutation_plugin.py", _PLUGIN.format(hits_env=HITS_ENV))
+    _write_if_changed(hooks / "sfa_rd2h_mutation_plugin.py",
+                      _PLUGIN.format(hits_env=HITS_ENV, clean_timeout=CLEAN_TEST_TIMEOUT_S))
     (stage_dir / "mutants").mkdir(parents=True, exist_ok=True)  # on PYTHONPATH from the start
     _refresh_unmutated(pkg, stage_dir / "mutants" / PACKAGE, {f"{PACKAGE}/{f}" for f in files})
-    _forget_stats_unless_covering(stage_dir, files)
+    _forget_stats_unless_covering(stage_dir, files, _tests_digest(stage_dir, tests))
     _retest_undetected(stage_dir / "mutants", files)
     hits = stage_dir / "hits"
     shutil.rmtree(hits, ignore_errors=True)
@@ -277,20 +287,34 @@ def _sync_tree(src: Path, dst: Path) -> None:
                 path.unlink()
 
 
-def _forget_stats_unless_covering(stage_dir: Path, files: Sequence[str]) -> None:
-    """mutmut records which test reaches which function only for the files it mutated when
-    it collected its stats, and re-collects them only for new tests; a file added to the
-    targets since would get no tests for any mutant ("no tests"). So when the targets are
-    not a subset of those the stats were collected for, the stats go and mutmut collects
-    them anew (every selected test once); the mutants' results are kept."""
+def _tests_digest(stage_dir: Path, tests: Sequence[str]) -> str:
+    """One hash over the staged tests and the selection (test files, deselected tests)."""
+    h = hashlib.sha256(json.dumps([list(tests), sorted(DESELECTED)]).encode())
+    for path in sorted((stage_dir / "tests").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(path.relative_to(stage_dir).as_posix().encode() + b"\0")
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _forget_stats_unless_covering(stage_dir: Path, files: Sequence[str], tests: str) -> None:
+    """mutmut's stats (which test reaches which function) are dropped, so that mutmut
+    collects them anew with every selected test, unless they were taken for a superset of
+    ``files`` with the same tests (digest ``tests``). Two reasons: mutmut takes them only
+    for the files it mutated then, so a file added to the targets since would get no tests
+    ("no tests"); and its incremental pass for changed tests runs them without the
+    configured ``--deselect`` and fails ("failed to collect stats") on the slow tests
+    deselected here. A full pass costs a few minutes; the mutants' results are kept."""
     record = stage_dir / STATS_FILES
     try:
-        covered = set(json.loads(record.read_text()))
-    except (OSError, ValueError):
-        covered = set()
-    if not set(files) <= covered:
+        taken = json.loads(record.read_text())
+        covered, digest = set(taken["files"]), taken["tests"]
+    except (OSError, ValueError, KeyError, TypeError):
+        covered, digest = set(), None
+    if not set(files) <= covered or digest != tests:
         (stage_dir / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
-    _write_if_changed(record, json.dumps(sorted(files)))
+    # mutmut keeps stats only for the files of its latest run: the record narrows with it
+    _write_if_changed(record, json.dumps({"files": sorted(files), "tests": tests}))
 
 
 def _retest_undetected(mutants: Path, files: Sequence[str]) -> None:
