@@ -389,9 +389,17 @@ def test_reader_refreshes_after_peer_registers_more_and_sees_unregister(
     ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [new_addr], [32 << 10])
     assert ret == 0, reader.last_error
     np.testing.assert_array_equal(dst[: 32 << 10], pattern(32 << 10, 9))
+    later = cma_peer.ask("register", 4096, 3)
+    assert reader.batch_transfer_sync_read(cma_peer.session, [base], [later], [4096]) == 0
     assert cma_peer.ask("unregister", new_addr) == "ok"
     dst.fill(SENTINEL)
     ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [new_addr], [4096])
+    assert ret == TransferResult.PEER_RANGE
+    assert (dst == SENTINEL).all()
+    # a second withdrawal is seen too, although the reader's view was refreshed after the
+    # first one and still lists this region
+    assert cma_peer.ask("unregister", later) == "ok"
+    ret = reader.batch_transfer_sync_read(cma_peer.session, [base], [later], [4096])
     assert ret == TransferResult.PEER_RANGE
     assert (dst == SENTINEL).all()
 
@@ -750,6 +758,7 @@ def test_ptracer_is_narrow_unless_asked() -> None:
     """Yama scope 1: the owner names one ancestor of its readers, not every process."""
     assert host_mod.ptracer_pid("parent") == os.getppid()
     assert host_mod.ptracer_pid(" 1234 ") == 1234
+    assert host_mod.ptracer_pid("1") == 1  # init: an ancestor of every process
     assert host_mod.ptracer_pid("any") == host_mod._PR_SET_PTRACER_ANY
     assert host_mod.ptracer_pid(" ANY ") == host_mod._PR_SET_PTRACER_ANY
     for bad in ("everyone", "0", "-5"):
@@ -1038,6 +1047,14 @@ def test_mooncake_wrapper_reads_and_registers_through_the_library() -> None:
     assert str(info.value) == f"Mooncake unregister_memory(0x{at:x}) returned -2"
     with pytest.raises(RegistrationError, match="no region is registered"):
         eng.unregister_memory(0x10)
+    # a withdrawal the library takes: asked for that address, and the region is gone
+    eng.register_memory(at, 64)
+    fake.answers["unregister_memory"] = 0
+    fake.calls.clear()
+    eng.unregister_memory(at)
+    assert fake.calls == [("unregister_memory", at)]
+    with pytest.raises(RegistrationError, match="no region is registered"):
+        eng.unregister_memory(at)
 
 
 def test_mooncake_wrapper_close_releases_every_region() -> None:
@@ -1164,6 +1181,21 @@ def test_memfabric_wrapper_reports_what_the_library_refused_and_why() -> None:
         with pytest.raises(RegistrationError) as info:
             eng.unregister_memory(at)
         assert str(info.value) == "MemFabric unregister_memory raised: gone"
+        # a refusal with no diagnostics says so; a withdrawal the library takes is asked
+        # for exactly that address and leaves nothing registered
+        eng.register_memory(at, 128)
+        fake.last_error = ""
+        fake.answers["unregister_memory"] = -4
+        with pytest.raises(RegistrationError) as info:
+            eng.unregister_memory(at)
+        assert str(info.value) == f"MemFabric unregister_memory(0x{at:x}) returned -4: no detail"
+        eng.register_memory(at, 128)
+        fake.answers["unregister_memory"] = 0
+        fake.calls.clear()
+        eng.unregister_memory(at)
+        assert fake.calls == [("unregister_memory", at)]
+        with pytest.raises(RegistrationError, match="no region is registered"):
+            eng.unregister_memory(at)
     finally:
         eng.close()
 
@@ -1184,6 +1216,12 @@ def test_memfabric_needs_an_npu_even_when_its_library_imports(
     monkeypatch.setattr(mf.glob, "glob", lambda pattern: seen.append(pattern) or [pattern])
     assert mf.load_memfabric() is library
     assert seen == ["/dev/davinci[0-9]*"]
+    monkeypatch.setitem(sys.modules, "memfabric_hybrid", None)  # the import itself fails
+    with pytest.raises(EngineUnavailable) as info:
+        mf.load_memfabric()
+    assert str(info.value).startswith(
+        "memfabric engine unavailable: memfabric_hybrid cannot be imported (install "
+        "memfabric-hybrid==1.3.0 via the 'npu' extra on an Ascend host): ")
 
 
 # --------------------------------------------------------------------------- host engine API
