@@ -252,10 +252,6 @@ class RangeTable:
         ok, _ = self.locate(addrs, np.asarray(n))
         return None if ok.all() else int(np.flatnonzero(~ok)[0])
 
-    def covers(self, addrs: np.ndarray, n: np.ndarray) -> bool:
-        ok, _ = self.locate(addrs, n)
-        return bool(ok.all())
-
 
 class RegionSet:
     """This process's registered regions: idempotent on an identical region, strict on overlap.
