@@ -183,9 +183,47 @@ def test_results_are_read_from_mutmut_meta_files(tmp_path: Path) -> None:
                    ("4", "not checked")}
 
 
+def test_a_report_over_stages_counts_each_file_from_its_latest_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Results of files a stage no longer runs linger in its ``mutants/`` (measured against
+    older tests): a report takes only the files of each stage's latest run, and a file run
+    in two stages from the first one named."""
+    def fake_stage(name: str, files: list[str], codes: dict[str, dict[str, int]]) -> Path:
+        stage = tmp_path / name
+        for file, by_key in codes.items():
+            meta = stage / "mutants/sfa_rd2h" / (file + ".meta")
+            meta.parent.mkdir(parents=True, exist_ok=True)
+            module = "sfa_rd2h." + file[:-3].replace("/", ".")
+            meta.write_text(json.dumps({"exit_code_by_key": {
+                f"{module}.x_f__mutmut_{k}": c for k, c in by_key.items()}}))
+        (stage / mutation.STATS_FILES).write_text(json.dumps({"files": files, "tests": "x"}))
+        return stage
+
+    a = fake_stage("a", ["runtime/tp_group.py"], {
+        "runtime/tp_group.py": {"1": 1, "2": 1, "3": 1, "4": 36},
+        "spec/wire.py": {"1": 0, "2": 0}})  # lingering from an older run of stage a
+    b = fake_stage("b", ["spec/wire.py", "runtime/tp_group.py"], {
+        "spec/wire.py": {"1": 1, "2": 1, "3": 1},
+        "runtime/tp_group.py": {"1": 0}})  # counted from stage a, named first
+    mutants, home = mutation.load_stages([a, b])
+    assert sorted((m.file, m.status) for m in mutants) == sorted(
+        [("runtime/tp_group.py", "killed")] * 3 + [("runtime/tp_group.py", "timeout")]
+        + [("spec/wire.py", "killed")] * 3)
+    assert {home[m.name] for m in mutants if m.file == "spec/wire.py"} == {b}
+    args = argparse.Namespace(report=True, only=[], json=False, max_children=1, fresh=False,
+                              stage=[str(a), str(b)])
+    assert mutation.cmd_mutation(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mutation score 100.0%: 7 detected, 0 not detected")
+    assert "  runtime/tp_group.py  100.0%  3 killed, 1 timeout" in out
+    args.report = False  # a run happens in one stage only
+    assert mutation.cmd_mutation(args) == 2
+    assert "one --stage to run in" in capsys.readouterr().err
+
+
 def test_report_without_a_run_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = argparse.Namespace(report=True, only=[], json=False, max_children=1, fresh=False,
-                              stage=str(tmp_path / "nothing"))
+                              stage=[str(tmp_path / "nothing")])
     assert mutation.cmd_mutation(args) == 2
     assert "run sfa-rd2h mutation first" in capsys.readouterr().err
 

@@ -439,15 +439,46 @@ def parse_mutant_name(name: str) -> tuple[str, str]:
     return file, base[2:] if base.startswith("x_") else base
 
 
-def load_mutants(stage_dir: Path) -> list[Mutant]:
-    """Every mutant mutmut recorded under ``stage_dir/mutants`` (its ``.meta`` files)."""
+def staged_targets(stage_dir: Path) -> list[str] | None:
+    """The target files of the stage's latest run (None: no run recorded). Results of other
+    files may linger in its ``mutants/`` from earlier runs, measured against older tests."""
+    try:
+        taken = json.loads((stage_dir / STATS_FILES).read_text())
+    except (OSError, ValueError):
+        return None
+    return list(taken["files"] if isinstance(taken, dict) else taken)
+
+
+def load_mutants(stage_dir: Path, files: Iterable[str] | None = None) -> list[Mutant]:
+    """Every mutant mutmut recorded under ``stage_dir/mutants`` (its ``.meta`` files), only
+    those of ``files`` when given."""
+    wanted = None if files is None else set(files)
     out = []
     for meta in sorted((stage_dir / "mutants" / PACKAGE).rglob("*.py.meta")):
         data = json.loads(meta.read_text())
         for name, code in data.get("exit_code_by_key", {}).items():
             file, function = parse_mutant_name(name)
-            out.append(Mutant(name, file, function, _STATUS.get(code, "suspicious")))
+            if wanted is None or file in wanted:
+                out.append(Mutant(name, file, function, _STATUS.get(code, "suspicious")))
     return out
+
+
+def load_stages(stage_dirs: Sequence[Path]) -> tuple[list[Mutant], dict[str, Path]]:
+    """The mutants of each stage's latest run, a file taken from the first stage that ran it;
+    and which stage each mutant comes from (its diff is read there)."""
+    mutants: list[Mutant] = []
+    home: dict[str, Path] = {}
+    seen: set[str] = set()
+    for stage_dir in stage_dirs:
+        files = staged_targets(stage_dir)
+        if files is None:
+            continue
+        files = [f for f in files if f not in seen]
+        seen.update(files)
+        for m in load_mutants(stage_dir, files):
+            mutants.append(m)
+            home[m.name] = stage_dir
+    return mutants, home
 
 
 def change_of(diff: str) -> list[str]:
@@ -537,7 +568,10 @@ def format_report(report: Report) -> str:
     width = max((len(f) for f in report.files), default=10)
     for file, counts in report.files.items():
         detail = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        lines.append(f"  {file:<{width}}  {detail}")
+        found = sum(n for s, n in counts.items() if s in DETECTED)
+        missed = sum(n for s, n in counts.items() if s in UNDETECTED)
+        score = f"{found / (found + missed):6.1%}" if found + missed else "     -"
+        lines.append(f"  {file:<{width}}  {score}  {detail}")
     by_place: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for s in report.survivors:
         by_place[(s["file"], s["function"])].append(s)
@@ -584,16 +618,23 @@ def add_mutation_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="mutants tested in parallel (default: the CPU count)")
     p.add_argument("--fresh", action="store_true",
                    help="forget earlier results and stage everything anew")
-    p.add_argument("--stage", default=None, help=f"staging folder (default {STAGE})")
+    p.add_argument("--stage", action="append", default=[], metavar="DIR",
+                   help=f"staging folder (default {STAGE}); with --report repeatable: one "
+                        "report over the latest run of each, a file counted from the first "
+                        "stage that ran it")
     p.set_defaults(func=cmd_mutation)
     return p
 
 
 def cmd_mutation(args: argparse.Namespace) -> int:
     root = repo_root()
-    stage_dir = Path(args.stage) if args.stage else root / STAGE
+    stage_dirs = [Path(d) for d in args.stage] or [root / STAGE]
+    stage_dir = stage_dirs[0]
     seconds = None
     if not args.report:
+        if len(stage_dirs) > 1:
+            print("one --stage to run in (several only with --report)", file=sys.stderr)
+            return 2
         files = target_files(root, args.only)
         if not files:
             print(f"no target file matches {args.only}; targets: {', '.join(TARGETS)}",
@@ -606,11 +647,14 @@ def cmd_mutation(args: argparse.Namespace) -> int:
         if rc != 0:
             print(f"mutmut exited with {rc}", file=sys.stderr)
             return 2
-    if not (stage_dir / "mutants").is_dir():
-        print(f"no results in {stage_dir}: run sfa-rd2h mutation first", file=sys.stderr)
+    missing = [d for d in stage_dirs if not (d / "mutants").is_dir()]
+    if missing:
+        print(f"no results in {missing[0]}: run sfa-rd2h mutation first", file=sys.stderr)
         return 2
-    report = build_report(load_mutants(stage_dir), load_equivalents(root / EQUIVALENTS),
-                          mutmut_diff(stage_dir))
+    mutants, home = load_stages(stage_dirs)
+    diffs = {d: mutmut_diff(d) for d in stage_dirs}
+    report = build_report(mutants, load_equivalents(root / EQUIVALENTS),
+                          lambda m: diffs[home[m.name]](m))
     report.seconds = seconds
     if args.json:
         print(json.dumps({**asdict(report), "score": report.score}, indent=2))
