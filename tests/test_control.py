@@ -1138,3 +1138,165 @@ def test_decode_turns_every_engine_outcome_into_the_reply_and_the_stats(
         sock.close()
         dw.close()
         ctx.term()
+
+
+class _Outcomes:
+    """What an AgreementLoop asks of a DecodeWorker: every notified request succeeded."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[str, bool]] = []
+
+    def local_outcome(self, ext: str) -> bool | None:
+        return True
+
+    def apply_agreement(self, ext: str, ok: bool) -> list[RequestFinished]:
+        self.applied.append((ext, ok))
+        return []
+
+
+def test_agreement_loop_thread_is_named_a_daemon_started_once_and_stopped_by_close() -> None:
+    """An operator finds the loop as ``decode<rank>-agree`` among the threads; an unclosed
+    loop does not hold up interpreter exit (daemon); a second start is refused by name;
+    ``wait`` is bounded while the loop runs; ``close`` stops an idle loop at once, however
+    long its round wait, and a loop never started has nothing to wait for or stop."""
+    idle = AgreementLoop(SingleRankGroup())
+    assert idle.wait(0) is True
+    idle.close()  # never started: returns, nothing to join
+
+    loop = AgreementLoop(SingleRankGroup(), round_wait=3600.0)
+    worker = _Outcomes()
+    loop.start(worker, until=lambda agreed: False)  # type: ignore[arg-type]
+    try:
+        [thread] = [t for t in threading.enumerate() if t.name == "decode0-agree"]
+        assert thread.daemon is True
+        with pytest.raises(ControlPlaneError) as info:
+            loop.start(worker, until=lambda agreed: False)  # type: ignore[arg-type]
+        assert str(info.value) == "agreement loop already started"
+        waited: list[bool] = []
+        waiter = threading.Thread(target=lambda: waited.append(loop.wait(0.05)))
+        waiter.start()
+        waiter.join(WAIT)
+        assert waited == [False]  # the loop is still running: wait gave up after 0.05 s
+    finally:
+        t0 = time.monotonic()
+        loop.close()
+        assert time.monotonic() - t0 < 1.0  # not the round wait, nor close's own bound
+    assert not thread.is_alive() and thread not in threading.enumerate()
+    assert loop.wait(0) is True and loop.rounds == 0 and loop.error is None
+    waiter.join(WAIT)
+
+
+def test_agreement_loop_close_says_when_a_collective_holds_it() -> None:
+    """A rank blocked in ``agree`` (a peer rank is gone) cannot stop at once: close gives up
+    after its bound and says why, and the loop ends once the collective returns."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck(SingleRankGroup):
+        def agree(self, local: Any) -> dict[str, bool]:
+            entered.set()
+            assert release.wait(WAIT)
+            return super().agree(local)
+
+    loop = AgreementLoop(Stuck(), round_wait=3600.0)
+    worker = _Outcomes()
+    loop.notify(RequestReady("r", True))
+    loop.start(worker, until=lambda agreed: False)  # type: ignore[arg-type]
+    try:
+        assert entered.wait(WAIT)
+        with pytest.raises(ControlPlaneError) as info:
+            loop.close(0.05)
+        assert str(info.value) == ("agreement loop did not stop within 0.05s (blocked in a "
+                                   "collective until the group's timeout)")
+    finally:
+        release.set()
+    assert loop.wait(WAIT) and loop.error is None
+    assert worker.applied == [("r", True)] and loop.rounds == 1  # then it saw close
+
+
+def test_agreement_loop_runs_a_round_at_once_for_a_notified_outcome() -> None:
+    """A notified outcome is agreed at once, not after the round wait; each round counts."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    first = threading.Event()
+    loop = AgreementLoop(SingleRankGroup(), round_wait=3600.0,
+                         on_agreed=lambda ext, ok: first.set())
+    worker = _Outcomes()
+    loop.notify(RequestReady("a", True))
+    loop.start(worker, until=lambda agreed: "b" in agreed)  # type: ignore[arg-type]
+    try:
+        assert first.wait(WAIT)
+        loop.notify(RequestReady("b", True))
+        assert loop.wait(WAIT) and loop.error is None
+        assert worker.applied == [("a", True), ("b", True)] and loop.rounds == 2
+    finally:
+        loop.close()
+
+
+def test_agreement_round_is_due_when_the_clock_reaches_the_deadline() -> None:
+    """With the clock exactly at the round's deadline the round runs: the loop does not
+    spin on zero-length waits until the clock moves on."""
+    import itertools
+
+    ticks = itertools.chain([0.0], itertools.repeat(1.0))  # start, then at the deadline
+    loop = AgreementLoop(SingleRankGroup(), round_wait=1.0, clock=lambda: next(ticks))
+    loop.start(_Outcomes(), until=lambda agreed: loop.rounds >= 1)  # type: ignore[arg-type]
+    try:
+        assert loop.wait(WAIT) and loop.error is None and loop.rounds == 1
+    finally:
+        loop.close()
+
+
+def test_read_lanes_keep_a_session_on_its_lane_and_spread_the_overflow() -> None:
+    """Below the bound a session's reads all run on its own lane, in order; beyond it each
+    further session goes to the lane its hash picks, so the overflow is spread over the
+    lanes rather than piled on one; lanes are daemon threads (an engine call that never
+    returns does not hold up interpreter exit)."""
+    from types import SimpleNamespace
+
+    from sfa_rd2h.runtime.control import _ReadLanes
+
+    ran: list[tuple[Any, str]] = []
+    cond = threading.Condition()
+
+    def read(a: Any) -> int:
+        with cond:
+            ran.append((a.session, threading.current_thread().name))
+        return 0
+
+    def finished(a: Any, result: Any) -> None:
+        with cond:
+            cond.notify_all()
+
+    def wait_ran(n: int) -> None:
+        with cond:
+            assert cond.wait_for(lambda: len(ran) >= n, WAIT)
+
+    lanes = _ReadLanes(read, finished, "d3")
+    try:
+        for _ in range(3):
+            lanes.submit(SimpleNamespace(session="a"))  # type: ignore[arg-type]
+        wait_ran(3)
+        assert ran == [("a", "d3-read-0")] * 3
+        assert [t.daemon for t in threading.enumerate() if t.name.startswith("d3-")] == [True]
+    finally:
+        assert lanes.close(WAIT) is True
+    # Integer sessions hash to themselves: with two lanes (sessions 0 and 1), session 2
+    # belongs on lane 0's thread and session 3 on lane 1's.
+    ran.clear()
+    lanes = _ReadLanes(read, finished, "d4", max_lanes=2)
+    try:
+        for session in (0, 1, 2, 3):
+            lanes.submit(SimpleNamespace(session=session))  # type: ignore[arg-type]
+        wait_ran(4)
+        assert sorted(ran) == [(0, "d4-read-0"), (1, "d4-read-1"), (2, "d4-read-0"),
+                               (3, "d4-read-1")]
+    finally:
+        assert lanes.close(WAIT) is True
+
+
+def test_curve_client_keys_keep_everything_but_the_server_key() -> None:
+    keys = CurveSecurity(b"pub", b"sec", b"old-server", frozenset({b"peer"}))
+    assert keys.client_of(b"new-server") == CurveSecurity(b"pub", b"sec", b"new-server",
+                                                         frozenset({b"peer"}))
