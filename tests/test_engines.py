@@ -1224,6 +1224,67 @@ def test_memfabric_needs_an_npu_even_when_its_library_imports(
         "memfabric-hybrid==1.3.0 via the 'npu' extra on an Ascend host): ")
 
 
+def test_mooncake_wrapper_names_what_is_missing_when_its_library_does_not_import(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sfa_rd2h.runtime.engines.mooncake import load_mooncake
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # the import itself fails
+    with pytest.raises(EngineUnavailable) as info:
+        load_mooncake()
+    assert str(info.value) == (
+        "mooncake engine unavailable: install Debian libibverbs1 and 'pip install "
+        f"mooncake-transfer-engine-non-cuda': {info.value.__cause__}")
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_a_wrapper_used_before_initialize_says_so_in_full() -> None:
+    with pytest.raises(EngineError) as info:
+        _mooncake(_FakeMooncake()).register_memory(0x1000, 64)
+    assert str(info.value) == "Mooncake engine is not initialised (or already closed)"
+    with pytest.raises(EngineError) as info:
+        _memfabric(_FakeMooncake(), role="decode").unregister_memory(0x1000)
+    assert str(info.value) == "MemFabric engine is not initialised (or already closed)"
+
+
+class _FakeWithoutDiagnostics(_FakeMooncake):
+    """A library that offers no get_last_err_msg at all."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "get_last_err_msg":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_memfabric_wrapper_defaults_and_a_library_without_diagnostics() -> None:
+    """Unset, the store server is Decode and no NIC is named; the session port is one the
+    kernel called free, on IPv6 as on IPv4; a library that offers no get_last_err_msg
+    still gets its refusals reported, as 'no detail'."""
+    fake = _FakeMooncake()
+    eng = _memfabric(fake, role="prefill", store_url="tcp://10.0.0.1:6650")
+    try:
+        session = eng.initialize("::1")
+        host, port = session.rsplit(":", 1)
+        assert host == "::1" and int(port) > 0
+        assert fake.calls == [("initialize", "tcp://10.0.0.1:6650", session, "Prefill", 0,
+                               _FakeMooncake.TransDataOpType.SDMA, "Decode", "")]
+    finally:
+        eng.close()
+    mute = _FakeWithoutDiagnostics()
+    eng = _memfabric(mute, role="prefill", store_url="tcp://10.0.0.1:6650")
+    try:
+        session = eng.initialize("127.0.0.1")
+        with socket.socket() as s:  # the port was free when asked for
+            s.bind(("127.0.0.1", int(session.rsplit(":", 1)[1])))
+        buf = np.zeros(64, dtype=np.uint8)
+        at = int(buf.ctypes.data)
+        mute.answers["register_memory"] = -1
+        with pytest.raises(RegistrationError) as info:
+            eng.register_memory(at, 64)
+        assert str(info.value) == f"MemFabric register_memory(0x{at:x}, 64) returned -1: no detail"
+    finally:
+        eng.close()
+
+
 # --------------------------------------------------------------------------- host engine API
 
 
