@@ -1128,7 +1128,9 @@ def test_decode_turns_every_engine_outcome_into_the_reply_and_the_stats(
         assert isinstance(replies[1], wire.ReadFailed) and "-3" in replies[1].error
         assert replies[2] == wire.ReadDone(0)
         assert (dw.stats.reads, dw.stats.failed_reads) == (1, 2)
-        assert dw.stats.bytes_read == sum(TB) and dw.stats.frames_sent == 4
+        assert dw.stats.bytes_read == sum(TB)
+        dw.close()  # the reader counts a reply just after sending it: count once it stopped
+        assert dw.stats.frames_sent == 4
         assert "decode rank 0: transfer engine raised" in caplog.messages
         # One warning per kind per interval: the first failed read speaks for both.
         assert [m for m in caplog.messages if "batched read" in m] == [
@@ -1300,3 +1302,174 @@ def test_curve_client_keys_keep_everything_but_the_server_key() -> None:
     keys = CurveSecurity(b"pub", b"sec", b"old-server", frozenset({b"peer"}))
     assert keys.client_of(b"new-server") == CurveSecurity(b"pub", b"sec", b"new-server",
                                                          frozenset({b"peer"}))
+
+
+def _raw_decode(ctx: zmq.Context) -> tuple[zmq.Socket, int]:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    return router, router.bind_to_random_port("tcp://127.0.0.1")
+
+
+def _take(router: zmq.Socket) -> tuple[bytes, Any]:
+    assert router.poll(int(WAIT * 1000)), "no frame within the bound"
+    ident, payload = [f for f in router.recv_multipart() if f]
+    return ident, wire.decode(payload)
+
+
+def test_drain_names_the_busy_slots_then_returns_every_held_failure(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """drain against a raw Decode that fails layer 0, leaves layer 1 unanswered and
+    completes layer 2: it times out naming exactly the busy slots (state and readers), not
+    the free or failed ones; once layer 1 is answered it returns the held failure's message
+    (S4), and the slot is free again."""
+    from sfa_rd2h.runtime.control import WorkerTimeout
+
+    pe, _ = engines
+    p = make_prefill(pe, 3, 3)
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    core = p.core()
+    pw = PrefillWorker(core)
+    try:
+        pw.add_request("r", params(port), [1], [1])
+        pw.schedule_chunk("r", 4, True)
+        run_layers(pw, p, 1, [1], [1], 3)
+        ident, meta = _take(router)
+        assert isinstance(meta, wire.MfMeta)
+        router.send_multipart([ident, wire.encode(wire.MfMetaAck(True, 1))])
+        for layer in range(3):
+            _, ready = _take(router)
+            assert ready.layer_idx == layer
+        router.send_multipart([ident, wire.encode(wire.ReadFailed(0, "F2: device lost"))])
+        router.send_multipart([ident, wire.encode(wire.ReadDone(2))])
+        pw.wait_for_layer_send(2, WAIT)  # replies are handled in order: layer 0's too
+        assert pw.layer_settled(0) is True
+        with pytest.raises(WorkerTimeout) as info:
+            pw.drain(0.2)
+        busy = {g.key: ("awaiting_replies", [f"127.0.0.1:{port}"]) for g in core.gates_of(1)}
+        assert str(info.value) == f"drain: 0 task(s) queued, slots still busy: {busy}"
+        router.send_multipart([ident, wire.encode(wire.ReadDone(1))])
+        failed = f"layer 0 via 127.0.0.1:{port}: F2: device lost"
+        assert pw.drain(WAIT) == [f"S4: layer 0 cannot be written: {failed}; {failed}"]
+        assert [g.state for g in core.gates.values()] == ["free"] * 6
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
+
+
+def test_every_lost_decode_is_counted_and_named(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """S5 with two Decodes reading one layer: both vanish; each loss is counted and logged,
+    and the slot fails once both readers are accounted for, naming the first loss."""
+    pe, _ = engines
+    failed = threading.Event()
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "failed":
+            failed.set()
+
+    p = make_prefill(pe, 1, 1)
+    p.tracer = observe  # type: ignore[assignment]
+    ctx = zmq.Context()
+    (a, port_a), (b, port_b) = _raw_decode(ctx), _raw_decode(ctx)
+    pw = PrefillWorker(p.core())
+    try:
+        pw.add_request("ra", params(port_a), [1], [1])
+        pw.add_request("rb", params(port_b), [2], [2])
+        pw.schedule_chunk("ra", 4, True)
+        pw.schedule_chunk("rb", 4, True)
+        run_layers(pw, p, 1, [1, 2], [1, 2], 1)
+        for router in (a, b):
+            ident, meta = _take(router)
+            assert isinstance(meta, wire.MfMeta)
+            router.send_multipart([ident, wire.encode(wire.MfMetaAck(True, 1))])
+            assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            a.close()
+            b.close()
+            assert failed.wait(WAIT)
+        assert pw.stats.peers_lost == 2
+        lost = sorted(f"connection to Decode 127.0.0.1:{port} dropped"
+                      for port in (port_a, port_b))
+        assert sorted(m for m in caplog.messages if "dropped" in m) == [
+            f"prefill rank 0: {m}" for m in lost]
+        with pytest.raises(LayerSendError) as info:
+            pw.wait_for_layer_send(0, WAIT)
+        first = [f"layer 0 via 127.0.0.1:{port}: S5: connection to Decode 127.0.0.1:{port} "
+                 "dropped" for port in (port_a, port_b)]
+        assert str(info.value) in [f"S4: layer 0 cannot be written: {f}; {f}" for f in first]
+    finally:
+        pw.close()
+        a.close()
+        b.close()
+        ctx.term()
+
+
+def test_a_ready_held_for_destinations_is_read_once_they_are_registered(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """C1: a READY that came before its request was registered waits on Decode; the
+    registration (on the scheduler's thread) starts the read, and the READ_DONE follows."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    waiting = threading.Event()
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "awaiting_destinations":
+            waiting.set()
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, observer=observe), de, 0)
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill-0")
+    try:
+        sock.send(wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION)))
+        assert wire.decode_meta_reply(_recv(sock)).accepted
+        p.write(0, 5, [3], [4])
+        sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("late", (3,), (4,)),),
+                                                  ("late",))))
+        assert waiting.wait(WAIT) and dw.waiting_for_destinations() == 1
+        dw.register_request("late", [7], [8])
+        assert wire.decode(_recv(sock)) == wire.ReadDone(0)
+        d.check(0, 5, [7], [8])
+        assert dw.waiting_for_destinations() == 0 and dw.stats.reads == 1
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+
+
+def test_a_failed_read_is_logged_even_when_the_engine_keeps_no_last_error(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """An engine need not have ``last_error``: the warning then ends after the result, and
+    the time the read took is what the stats add up."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+
+    class Failing:
+        name = "failing"
+
+        def batch_transfer_sync_read(self, *args: Any) -> int:
+            return -3
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Failing(), 0)  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill-0")
+    try:
+        sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)))
+        assert wire.decode_meta_reply(_recv(sock)).accepted
+        dw.register_request("r", [1], [1])
+        t0 = time.perf_counter()
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r", (1,), (1,)),),
+                                                      ("r",))))
+            assert isinstance(wire.decode(_recv(sock)), wire.ReadFailed)
+        elapsed = time.perf_counter() - t0
+        assert [m for m in caplog.messages if "batched read" in m] == [
+            "decode rank 0: batched read from 127.0.0.1:1 failed (-3): "]
+        assert dw.stats.failed_reads == 1 and 0 < dw.stats.read_seconds <= elapsed
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
