@@ -1218,12 +1218,18 @@ def test_agreement_loop_close_says_when_a_collective_holds_it() -> None:
 
 
 def test_agreement_loop_runs_a_round_at_once_for_a_notified_outcome() -> None:
-    """A notified outcome is agreed at once, not after the round wait; each round counts."""
+    """A notified outcome is agreed at once, not after the round wait; each round counts;
+    ``on_agreed`` hears every agreed request with its outcome."""
     from sfa_rd2h.statemachines.cores.actions import RequestReady
 
     first = threading.Event()
-    loop = AgreementLoop(SingleRankGroup(), round_wait=3600.0,
-                         on_agreed=lambda ext, ok: first.set())
+    agreed: list[tuple[str, bool]] = []
+
+    def on_agreed(ext: str, ok: bool) -> None:
+        agreed.append((ext, ok))
+        first.set()
+
+    loop = AgreementLoop(SingleRankGroup(), round_wait=3600.0, on_agreed=on_agreed)
     worker = _Outcomes()
     loop.notify(RequestReady("a", True))
     loop.start(worker, until=lambda agreed: "b" in agreed)  # type: ignore[arg-type]
@@ -1232,6 +1238,7 @@ def test_agreement_loop_runs_a_round_at_once_for_a_notified_outcome() -> None:
         loop.notify(RequestReady("b", True))
         assert loop.wait(WAIT) and loop.error is None
         assert worker.applied == [("a", True), ("b", True)] and loop.rounds == 2
+        assert agreed == worker.applied  # the operator's callback hears every agreement
     finally:
         loop.close()
 
@@ -1473,3 +1480,116 @@ def test_a_failed_read_is_logged_even_when_the_engine_keeps_no_last_error(
         sock.close()
         dw.close()
         ctx.term()
+
+
+def _bounded(call: Any) -> list[Any]:
+    """Run ``call`` on a helper thread, joined within WAIT: [result] or [exception], or []
+    if it is still running (a wait that should have ended)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    helper = threading.Thread(target=run, daemon=True)
+    helper.start()
+    helper.join(WAIT)
+    return out
+
+
+def test_wait_for_layer_send_with_no_time_left_fails_at_once_naming_each_slot(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """S1 on a clock that does not move between readings (a coarse clock): a wait whose
+    time is up raises at once instead of spinning until the clock moves, and the message
+    names every slot of the layer with its state, owner and pending readers."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    core = p.core()
+    pw = PrefillWorker(core, clock=lambda: 5.0)
+    try:
+        pw.begin_layer(0)  # the compute thread is writing the layer: not writable
+        [exc] = _bounded(lambda: pw.wait_for_layer_send(0, 0.0))
+        assert isinstance(exc, LayerSendTimeout)
+        held = "; ".join(f"{g.key} writing owner=layer 0 pending []" for g in core.gates_of(0))
+        assert str(exc) == f"S1: layer 0 not writable after 0.0s: {held}"
+        assert " owner=layer 0 pending []; " in held  # two slots: main and indexer
+    finally:
+        pw.close()
+
+
+def test_drain_wakes_when_a_layer_nobody_reads_lands(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """A drain already waiting while the sender holds the last layer's task returns as
+    soon as the layer lands: a layer no request reads frees its slots at once, and nothing
+    else would wake the drain."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    entered, release, draining = threading.Event(), threading.Event(), threading.Event()
+    drainer: list[threading.Thread] = []
+
+    def clock() -> float:
+        if threading.current_thread() in drainer:
+            draining.set()  # drain read its deadline with the worker's lock held
+        return time.monotonic()
+
+    class Landing:
+        def synchronize(self) -> None:
+            entered.set()
+            assert release.wait(WAIT)
+
+    pw = PrefillWorker(p.core(), clock=clock)
+    try:
+        pw.begin_layer(0)  # no request scheduled: the layer has no readers
+        pw.layer_written(0, Landing())
+        assert entered.wait(WAIT)  # the sender holds the task
+        out: list[Any] = []
+        drainer.append(threading.Thread(target=lambda: out.append(pw.drain(2 * WAIT)),
+                                        daemon=True))
+        drainer[0].start()
+        assert draining.wait(WAIT)  # the sender cannot land before drain is waiting
+        release.set()
+        drainer[0].join(WAIT)
+        assert out == [[]] and pw.layer_settled(0) is True
+    finally:
+        release.set()
+        pw.close()
+        for t in drainer:
+            t.join(WAIT)
+
+
+def test_agreement_loop_rejects_a_round_wait_that_is_not_positive() -> None:
+    for wait in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError) as info:
+            AgreementLoop(SingleRankGroup(), round_wait=wait)
+        assert str(info.value) == "round_wait must be > 0"
+
+
+def test_a_failed_collective_ends_the_loop_for_good(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The collective raised (a peer rank is gone): the loop logs it once with the rank,
+    keeps the exception for the caller, and stays ended - running it again joins no
+    further collective, so this rank cannot get out of step with the others."""
+    calls: list[dict[str, bool]] = []
+    boom = RuntimeError("rank 0: peer gone")
+
+    class Broken(SingleRankGroup):
+        @property
+        def rank(self) -> int:
+            return 2
+
+        def agree(self, local: Any) -> dict[str, bool]:
+            calls.append(dict(local))
+            raise boom
+
+    loop = AgreementLoop(Broken(), round_wait=0.01)
+    with caplog.at_level("ERROR", logger="sfa_rd2h.runtime.control"):
+        loop.start(_Outcomes(), until=lambda agreed: False)  # type: ignore[arg-type]
+        assert loop.wait(WAIT)
+    assert loop.error is boom and calls == [{}] and loop.rounds == 0
+    [record] = [r for r in caplog.records if r.name == "sfa_rd2h.runtime.control"]
+    assert record.getMessage() == "agreement loop on rank 2 failed"
+    assert record.exc_info is not None and record.exc_info[1] is boom
+    loop.run(_Outcomes(), until=lambda agreed: False)  # type: ignore[arg-type]
+    assert calls == [{}]
