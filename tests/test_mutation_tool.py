@@ -279,3 +279,25 @@ def test_mutants_option_narrows_the_mutmut_run(tmp_path: Path,
     assert [c[1:] for c in calls] == [
         ["run", "--max-children", "1", "sfa_rd2h.spec.wire.*", "sfa_rd2h.spec.layout.x_a*"],
         ["run", "--max-children", "1"]]
+
+
+def test_a_failed_unmutated_pass_shows_which_tests_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """mutmut says only "Failed to run clean test": the staged plugin records the failing
+    tests of the unmutated passes and the command prints them."""
+    import subprocess
+
+    mutation.stage(REPO, tmp_path, ["runtime/tp_group.py"], mutation.TEST_FILES, fresh=False)
+    plugin = (tmp_path / "hooks/sfa_rd2h_mutation_plugin.py").read_text()
+    compile(plugin, "plugin", "exec")  # the template formats to valid Python
+
+    def fake_run(cmd: list[str], cwd: Path, env: dict[str, str],
+                 **kw: object) -> subprocess.CompletedProcess[str]:
+        Path(env[mutation.FAILURES_ENV]).write_text("tests/test_x.py::test_y (call)\nboom\n")
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(mutation.subprocess, "run", fake_run)
+    assert mutation.run_mutmut(tmp_path, 1) == 1
+    err = capsys.readouterr().err
+    assert "tests that failed without a mutant" in err
+    assert "tests/test_x.py::test_y (call)\nboom" in err

@@ -106,6 +106,8 @@ CLEAN_TEST_TIMEOUT_S = 300
 EQUIVALENTS = Path("tests/data/equivalent_mutants.json")
 STAGE = Path("build/mutation")
 HITS_ENV = "SFA_RD2H_MUTATION_HITS"
+FAILURES_ENV = "SFA_RD2H_MUTATION_FAILURES"
+FAILURES = "unmutated-failures.log"  # in the stage: tests that failed without a mutant
 STATS_FILES = "stats_files.json"  # in the stage: the targets mutmut's stats were taken for
 
 # mutmut's exit-code convention (mutmut.stats.status_by_exit_code), restated so that the
@@ -179,6 +181,15 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
     _merge_child_hits()
+
+
+@pytest.hookimpl
+def pytest_runtest_logreport(report):
+    """mutmut shows no test output when an unmutated pass fails: keep what failed."""
+    log = os.environ.get("{failures_env}")
+    if report.failed and log and os.environ.get("MUTANT_UNDER_TEST") in ("stats", ""):
+        with open(log, "a") as f:
+            f.write(f"{{report.nodeid}} ({{report.when}})\n{{report.longreprtext}}\n\n")
 
 
 @pytest.hookimpl(trylast=True)
@@ -260,7 +271,8 @@ def stage(root: Path, stage_dir: Path, files: Sequence[str], tests: Sequence[str
     hooks = stage_dir / "hooks"
     _write_if_changed(hooks / "sitecustomize.py", _SITECUSTOMIZE.format(hits_env=HITS_ENV))
     _write_if_changed(hooks / "sfa_rd2h_mutation_plugin.py",
-                      _PLUGIN.format(hits_env=HITS_ENV, clean_timeout=CLEAN_TEST_TIMEOUT_S))
+                      _PLUGIN.format(hits_env=HITS_ENV, failures_env=FAILURES_ENV,
+                                     clean_timeout=CLEAN_TEST_TIMEOUT_S))
     (stage_dir / "mutants").mkdir(parents=True, exist_ok=True)  # on PYTHONPATH from the start
     _refresh_unmutated(pkg, stage_dir / "mutants" / PACKAGE, {f"{PACKAGE}/{f}" for f in files})
     _forget_stats_unless_covering(stage_dir, files, _tests_digest(stage_dir, tests))
@@ -382,6 +394,7 @@ def mutmut_env(stage_dir: Path) -> dict[str, str]:
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env[HITS_ENV] = str((stage_dir / "hits").resolve())
+    env[FAILURES_ENV] = str((stage_dir / FAILURES).resolve())
     env.pop("MUTANT_UNDER_TEST", None)
     return env
 
@@ -396,7 +409,14 @@ def run_mutmut(stage_dir: Path, max_children: int, names: Sequence[str] = ()) ->
             return 2
         exe = Path(found)
     cmd = [str(exe), "run", "--max-children", str(max_children), *names]
-    return subprocess.run(cmd, cwd=stage_dir, env=mutmut_env(stage_dir)).returncode
+    failures = stage_dir / FAILURES
+    failures.unlink(missing_ok=True)
+    rc = subprocess.run(cmd, cwd=stage_dir, env=mutmut_env(stage_dir)).returncode
+    if rc != 0 and failures.exists():
+        text = failures.read_text()
+        print(f"tests that failed without a mutant ({failures}):\n{text[-4000:]}",
+              file=sys.stderr)
+    return rc
 
 
 # --------------------------------------------------------------------------- report
