@@ -289,7 +289,19 @@ def test_a_failed_unmutated_pass_shows_which_tests_failed(
 
     mutation.stage(REPO, tmp_path, ["runtime/tp_group.py"], mutation.TEST_FILES, fresh=False)
     plugin = (tmp_path / "hooks/sfa_rd2h_mutation_plugin.py").read_text()
-    compile(plugin, "plugin", "exec")  # the template formats to valid Python
+    hooks: dict[str, object] = {}
+    exec(compile(plugin, "plugin", "exec"), hooks)  # the template formats to valid Python
+    log = tmp_path / "failures.log"
+    monkeypatch.setenv(mutation.FAILURES_ENV, str(log))
+    failed = argparse.Namespace(failed=True, nodeid="tests/t.py::test_a", when="call",
+                                longreprtext="AssertionError: 1 != 2")
+    for under_test in ("stats", "", "sfa_rd2h.spec.wire.x_f__mutmut_1"):
+        monkeypatch.setenv("MUTANT_UNDER_TEST", under_test)
+        hooks["pytest_runtest_logreport"](failed)  # type: ignore[operator]
+    hooks["pytest_runtest_logreport"](  # type: ignore[operator]
+        argparse.Namespace(failed=False, nodeid="tests/t.py::test_b", when="call"))
+    # unmutated passes only: under a mutant a failure is the point
+    assert log.read_text() == "tests/t.py::test_a (call)\nAssertionError: 1 != 2\n\n" * 2
 
     def fake_run(cmd: list[str], cwd: Path, env: dict[str, str],
                  **kw: object) -> subprocess.CompletedProcess[str]:

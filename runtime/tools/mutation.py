@@ -189,7 +189,7 @@ def pytest_runtest_logreport(report):
     log = os.environ.get("{failures_env}")
     if report.failed and log and os.environ.get("MUTANT_UNDER_TEST") in ("stats", ""):
         with open(log, "a") as f:
-            f.write(f"{{report.nodeid}} ({{report.when}})\n{{report.longreprtext}}\n\n")
+            f.write(f"{{report.nodeid}} ({{report.when}})\\n{{report.longreprtext}}\\n\\n")
 
 
 @pytest.hookimpl(trylast=True)
