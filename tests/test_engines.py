@@ -14,6 +14,7 @@ import enum
 import json
 import multiprocessing as mp
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -1645,3 +1646,397 @@ def test_under_yama_scope_1_the_owner_names_its_ptracer(monkeypatch: pytest.Monk
             assert calls == ([(0x59616D61, 4321)] if declared else []), (scope, cap, mode)
         finally:
             eng.close()
+
+
+# --------------------------------------------------------------------------- host facts and wire
+# What the host engine reads from /proc and from a registry connection, against inputs the
+# machine running the tests may not offer (a command name with parentheses, a kernel without
+# Yama, a capability set without CAP_SYS_PTRACE, a registry that hangs up).
+
+
+def _fake_files(monkeypatch: pytest.MonkeyPatch, files: dict[str, str | bytes]) -> None:
+    """``open`` in the host engine module sees exactly ``files``; anything else is missing."""
+    import io
+
+    def fake_open(path: str, mode: str = "r") -> Any:
+        if path not in files:
+            raise FileNotFoundError(path)
+        data = files[path]
+        if isinstance(data, Exception):
+            raise data
+        return io.BytesIO(data) if "b" in mode else io.StringIO(data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(host_mod, "open", fake_open, raising=False)
+
+
+def test_a_process_start_time_is_field_22_whatever_the_command_name() -> None:
+    stat = f"/proc/{os.getpid()}/stat"
+    with open(stat, "rb") as f:
+        fields = f.read().rpartition(b") ")[2].split()  # fields from the 3rd (state) on
+    assert host_mod._proc_start_time(os.getpid()) == int(fields[22 - 3])
+    mp_ = pytest.MonkeyPatch()
+    try:
+        # A command name may hold ") " itself; fields 3.. follow the last ')'.
+        rest = " ".join(["S"] + [str(k) for k in range(4, 53)])
+        _fake_files(mp_, {"/proc/77/stat": f"77 (a) b) c) {rest}\n".encode(),
+                          "/proc/78/stat": b"78 (x) S 1 2\n",
+                          "/proc/79/stat": b"79 (x) S" + b" z" * 30 + b"\n"})
+        assert host_mod._proc_start_time(77) == 22
+        assert host_mod._proc_start_time(78) is None  # too few fields
+        assert host_mod._proc_start_time(79) is None  # not a number
+        assert host_mod._proc_start_time(80) is None  # no such process
+    finally:
+        mp_.undo()
+
+
+@pytest.mark.parametrize(("status", "cap"), [
+    ("Name:\tx\nCapEff:\t0000000000080000\nCapBnd:\t0\n", True),  # bit 19 alone
+    ("CapEff:\t000001fffeffffff\n", True),  # a root container's set
+    ("CapEff:\t000001fffff7ffff\n", False),  # everything but CAP_SYS_PTRACE
+    ("CapEff:\t0000000000100000\n", False),  # bit 20 (CAP_SYS_PACCT) only
+    ("CapPrm:\t0000000000080000\n", False),  # no effective set listed
+    ("CapEff:\n", False), ("CapEff:\tzz\n", False), (OSError("no /proc"), False),
+], ids=["bit19", "root", "all-but-19", "bit20", "no-capeff", "empty", "garbage", "unreadable"])
+def test_cap_sys_ptrace_is_bit_19_of_the_effective_set(
+        monkeypatch: pytest.MonkeyPatch, status: Any, cap: bool) -> None:
+    _fake_files(monkeypatch, {"/proc/self/status": status})
+    assert host_mod._has_cap_sys_ptrace() is cap
+
+
+def test_ptrace_scope_is_read_from_yama_or_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = "/proc/sys/kernel/yama/ptrace_scope"
+    for text, scope in (("1\n", 1), ("3", 3), ("x\n", None)):
+        _fake_files(monkeypatch, {path: text})
+        assert host_mod._ptrace_scope() == scope
+    _fake_files(monkeypatch, {})  # no Yama LSM
+    assert host_mod._ptrace_scope() is None
+
+
+def test_the_registry_address_check_strips_ipv4_mapped_prefixes() -> None:
+    """A dual-stack registry sees IPv4 readers as ::ffff:a.b.c.d: they are judged by their
+    IPv4 address; loopback and a reader on the registry's own address are local."""
+    class Conn:
+        def __init__(self, peer: str, mine: str) -> None:
+            self.peer, self.mine = peer, mine
+
+        def getpeername(self) -> tuple[str, int]:
+            if not self.peer:
+                raise OSError("not connected")
+            return (self.peer, 5555)
+
+        def getsockname(self) -> tuple[str, int]:
+            return (self.mine, 4000)
+
+    for peer, mine, local in (
+        ("::ffff:127.0.0.1", "::ffff:10.0.0.1", True),  # loopback, seen through IPv6
+        ("10.0.0.7", "::ffff:10.0.0.7", True),  # the registry's own address
+        ("::ffff:10.0.0.7", "10.0.0.7", True),
+        ("::ffff:10.0.0.8", "::ffff:10.0.0.7", False),
+        ("127.0.0.5", "10.0.0.1", True),
+        ("10.0.0.7", "10.0.0.7", True),
+        ("::1", "2001:db8::1", True),
+        ("2001:db8::2", "2001:db8::1", False),
+        ("", "127.0.0.1", False),  # the reader already went away
+    ):
+        assert host_mod._is_local_client(Conn(peer, mine)) is local, (peer, mine)  # type: ignore[arg-type]
+
+
+def test_a_registry_frame_is_bounded_and_complete(monkeypatch: pytest.MonkeyPatch) -> None:
+    import struct
+
+    import msgpack
+
+    monkeypatch.setattr(host_mod, "_MAX_FRAME", 8)
+    a, b = socket.socketpair()
+    with a, b:
+        body = msgpack.packb("1234567")  # 8 bytes: exactly the bound
+        a.sendall(struct.pack(">I", len(body)) + body)
+        assert host_mod._recv_frame(b) == "1234567"
+        body = msgpack.packb("12345678")
+        a.sendall(struct.pack(">I", len(body)) + body)
+        with pytest.raises(ValueError) as info:
+            host_mod._recv_frame(b)
+        assert str(info.value) == "registry frame of 9 bytes exceeds 8"
+        b.recv(9)
+        a.sendall(b"\xff\xff\xff\xff")  # a length with the top bit set is still unsigned
+        with pytest.raises(ValueError) as info:
+            host_mod._recv_frame(b)
+        assert str(info.value) == "registry frame of 4294967295 bytes exceeds 8"
+        a.sendall(struct.pack(">I", 3) + b"ab")
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionError) as info2:
+            host_mod._recv_frame(b)
+        assert str(info2.value) == "peer closed the registry connection"
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    (b"", "peer closed the registry connection"),
+    (b"\x00\x00\x00\x10short", "peer closed the registry connection"),
+    (b"\x7f\x00\x00\x00", f"registry frame of {0x7F000000} bytes exceeds {64 << 20}"),
+], ids=["hang-up", "cut-short", "oversized"])
+def test_a_registry_that_hangs_up_or_oversends_is_unreachable(answer: bytes, why: str) -> None:
+    import threading
+
+    reader = HostEngine(timeout=2.0)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        session = f"127.0.0.1:{srv.getsockname()[1]}"
+
+        def answer_once() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                host_mod._recv_frame(conn)
+                conn.sendall(answer)
+
+        t = threading.Thread(target=answer_once)
+        t.start()
+        try:
+            dst, base = _dest(reader, 64)
+            ret = reader.batch_transfer_sync_read(session, [base], [base], [16])
+            assert ret == TransferResult.PEER_UNREACHABLE
+            assert reader.last_error == (
+                f"PEER_UNREACHABLE: no registry answers at {session}: {why}")
+            assert (dst == SENTINEL).all()
+        finally:
+            t.join(5)
+            reader.close()
+
+
+def test_a_peer_shm_file_is_mapped_only_by_its_own_name_and_size() -> None:
+    import secrets
+
+    with pytest.raises(ValueError) as info:
+        host_mod._map_readonly("sfa_rd2h.1.ab.ctl/../../etc/passwd", 16)
+    assert str(info.value) == "refusing shm name 'sfa_rd2h.1.ab.ctl/../../etc/passwd'"
+    name = f"sfa_rd2h.{os.getpid()}.{secrets.token_hex(6)}.1"
+    path = os.path.join("/dev/shm", name)
+    with open(path, "wb") as f:
+        f.write(bytes(range(16)))
+    try:
+        with pytest.raises(ValueError) as info:
+            host_mod._map_readonly(name, 17)
+        assert str(info.value) == f"{name} holds 16 bytes, peer advertised 17"
+        mm, arr = host_mod._map_readonly(name, 16)  # exactly its size
+        assert arr.dtype == np.uint8 and arr.tolist() == list(range(16))
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 1
+        del arr
+        mm.close()
+    finally:
+        os.unlink(path)
+
+
+def test_files_that_cannot_be_removed_are_logged_and_forgotten(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    stuck = tmp_path / "a-directory"
+    stuck.mkdir()
+    gone = tmp_path / "gone"
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x")
+    paths = [str(gone), str(stuck), str(plain)]
+    with caplog.at_level("WARNING", logger=host_mod.__name__):
+        host_mod._unlink_all(paths)
+    assert paths == [] and not plain.exists() and stuck.exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"could not remove {stuck}: [Errno 21] Is a directory: '{stuck}'"]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+# --------------------------------------------------------------------------- the registry server
+
+
+def _ask(port: int, request: Any = None, raw: bytes | None = None) -> socket.socket:
+    """A registry client that sends one request (or raw bytes) and leaves the line open."""
+    c = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+    if raw is not None:
+        c.sendall(raw)
+    else:
+        host_mod._send_frame(c, request if request is not None else {"op": "describe"})
+    return c
+
+
+def _closed_by_registry_within(c: socket.socket, seconds: float) -> bool:
+    c.settimeout(seconds)
+    try:
+        while c.recv(65536):
+            pass  # the answer, then the end of the line
+        return True
+    except ConnectionResetError:  # closed with our request unread
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_the_registry_drops_a_failed_client_at_once_and_keeps_an_answered_one_a_while(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An answered line stays open for its reader to verify the answer, up to the I/O
+    bound; a client that sent garbage is not kept at all, and the reason is logged."""
+    monkeypatch.setattr(host_mod, "REGISTRY_IO_S", 30.0)
+    eng = HostEngine(timeout=30.0)
+    try:
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        answered = _ask(port)
+        assert host_mod._recv_frame(answered)["pid"] == os.getpid()
+        with caplog.at_level("DEBUG", logger=host_mod.__name__):
+            garbage = _ask(port, raw=b"\xff\xff\xff\xffgarbage")
+            assert _closed_by_registry_within(garbage, 10.0)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"registry client dropped: registry frame of 4294967295 bytes exceeds {64 << 20}"]
+        assert not _closed_by_registry_within(answered, 0.2)  # still lingering
+        garbage.close()
+        answered.close()
+    finally:
+        eng.close()
+    eng = HostEngine(timeout=1.0)
+    try:
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        answered = _ask(port)
+        assert host_mod._recv_frame(answered)["pid"] == os.getpid()
+        t0 = time.monotonic()
+        assert _closed_by_registry_within(answered, 10.0)  # the reader never closed it
+        assert 0.5 < time.monotonic() - t0 < 5.0
+        answered.close()
+    finally:
+        eng.close()
+
+
+def test_the_registry_keeps_at_most_max_lingering_lines_and_closes_them_on_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_mod, "REGISTRY_IO_S", 30.0)
+    monkeypatch.setattr(host_mod, "_MAX_LINGERING", 2)
+    eng = HostEngine(timeout=30.0)
+    lines: list[socket.socket] = []
+    try:
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        for _ in range(3):
+            lines.append(_ask(port))
+            assert host_mod._recv_frame(lines[-1])["pid"] == os.getpid()
+        assert _closed_by_registry_within(lines[2], 10.0)  # one too many: not kept
+        assert not _closed_by_registry_within(lines[0], 0.2)
+        assert not _closed_by_registry_within(lines[1], 0.2)
+        eng.close()
+        assert _closed_by_registry_within(lines[0], 10.0)  # stopping lets them go
+        assert _closed_by_registry_within(lines[1], 10.0)
+    finally:
+        eng.close()
+        for c in lines:
+            c.close()
+
+
+def test_the_registry_tells_a_remote_client_it_serves_this_host_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = HostEngine(timeout=2.0)
+    reader = HostEngine(timeout=2.0)
+    try:
+        session = eng.initialize("127.0.0.1")
+        monkeypatch.setattr(host_mod, "_is_local_client", lambda conn: False)
+        with _ask(int(session.rsplit(":", 1)[1])) as c:
+            assert host_mod._recv_frame(c) == {
+                "error": "the host engine serves readers on this host only"}
+        dst, base = _dest(reader, 64)
+        assert reader.batch_transfer_sync_read(session, [base], [base], [8]) == (
+            TransferResult.PEER_UNREACHABLE)
+        assert reader.last_error == (f"PEER_UNREACHABLE: unusable registry reply from {session}: "
+                                     "not a version-1 registry reply")
+    finally:
+        reader.close()
+        eng.close()
+
+
+def test_a_registry_that_fails_to_describe_logs_it_and_hangs_up(
+        caplog: pytest.LogCaptureFixture) -> None:
+    owner, reader = HostEngine(timeout=2.0), HostEngine(timeout=2.0)
+    try:
+        session = owner.initialize("127.0.0.1")
+        assert owner._server is not None
+        owner._server._describe = lambda: {}["no such key"]
+        dst, base = _dest(reader, 64)
+        with caplog.at_level("ERROR", logger=host_mod.__name__):
+            ret = reader.batch_transfer_sync_read(session, [base], [base], [8])
+        assert ret == TransferResult.PEER_UNREACHABLE
+        assert reader.last_error == (f"PEER_UNREACHABLE: no registry answers at {session}: "
+                                     "peer closed the registry connection")
+        assert [(r.getMessage(), r.exc_info[0] if r.exc_info else None)
+                for r in caplog.records] == [("registry failed to answer a client", KeyError)]
+        # the registry still answers the next reader
+        owner._server._describe = owner._describe
+        assert reader.batch_transfer_sync_read(session, [base], [base], [8]) == (
+            TransferResult.PEER_RANGE)
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_close_is_bounded_and_says_so_when_the_registry_thread_is_stuck(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """close() waits for the registry thread at most the engine's timeout, and logs when it
+    did not stop; a normal close logs nothing."""
+    import selectors
+    import threading
+
+    eng = HostEngine(timeout=0.5)
+    eng.initialize("127.0.0.1")
+    with caplog.at_level("WARNING", logger=host_mod.__name__):
+        eng.close()
+    assert caplog.records == []
+    stuck = HostEngine(timeout=0.5)
+    port = int(stuck.initialize("127.0.0.1").rsplit(":", 1)[1])
+    server = stuck._server
+    assert server is not None
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_describe() -> dict[str, Any]:
+        entered.set()
+        release.wait(30)
+        raise OSError("released")  # the client is dropped; the thread goes on
+
+    server._describe = slow_describe
+    client = _ask(port)
+    try:
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger=host_mod.__name__):
+            stuck.close()
+        assert time.monotonic() - t0 < 5.0
+        assert [r.getMessage() for r in caplog.records] == [
+            "host engine registry thread did not stop within 0.5s"]
+    finally:
+        # The stopped registry closed its wake-up line; hand its thread another one so it
+        # ends once released instead of idling on its closed listener.
+        for gone in (server._listener, server._wake_r):
+            server._sel.unregister(gone)
+        wake_r, wake_w = socket.socketpair()
+        server._sel.register(wake_r, selectors.EVENT_READ, "wake")
+        wake_w.send(b"x")
+        release.set()
+        client.close()
+        server._thread.join(10)
+        server._sel.close()
+        wake_r.close()
+        wake_w.close()
+    assert not server._thread.is_alive()
+
+
+def test_allocation_sizes_and_an_unwritable_shm_directory(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    eng = HostEngine(mode="shm")
+    try:
+        addr, arr = eng.allocate(1)  # the smallest region there is
+        assert arr.size == 1 and addr == int(arr.ctypes.data)
+        assert eng._regions.snapshot() == ([addr], [1])
+        missing = str(tmp_path / "no-shm")
+        monkeypatch.setattr(host_mod, "_SHM_DIR", missing)
+        with pytest.raises(RegistrationError) as info:
+            eng.allocate(64)
+        name = f"sfa_rd2h.{os.getpid()}.{eng._token}.2"
+        assert str(info.value) == (
+            f"cannot allocate 64 bytes in {missing}: [Errno 2] No such file or directory: "
+            f"'{missing}/{name}'")
+        with pytest.raises(EngineUnavailable) as info2:
+            HostEngine(mode="shm")
+        assert re.fullmatch(
+            rf"host engine needs a writable {re.escape(missing)}: \[Errno 2\] No such file or "
+            rf"directory: '{re.escape(missing)}/sfa_rd2h\.{os.getpid()}\.[0-9a-f]{{12}}\.ctl'",
+            str(info2.value)), str(info2.value)
+    finally:
+        monkeypatch.undo()
+        eng.close()
