@@ -1413,6 +1413,56 @@ def test_every_lost_decode_is_counted_and_named(
         ctx.term()
 
 
+def test_a_reply_timeout_replaces_the_connection(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """S5: a Decode that leaves a READY unanswered past the reply timeout loses its
+    connection: the gate fails naming the timeout, the timed-out connection is closed (the
+    Decode sees it go), and the next READY to that Decode goes over a new connection, after
+    a new MF_META, never over the old one."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    gone = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    pw = PrefillWorker(p.core(reply_timeout=0.5))
+    try:
+        pw.add_request("r1", params(port), [1], [1])
+        pw.schedule_chunk("r1", 4, True)
+        run_layers(pw, p, 1, [1], [1], 1)
+        old, meta = _take(router)
+        assert isinstance(meta, wire.MfMeta)
+        router.send_multipart([old, wire.encode(wire.MfMetaAck(True, 1))])
+        assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+        with pytest.raises(LayerSendError) as info:  # the READY is never answered
+            pw.wait_for_layer_send(0, WAIT)
+        late = f"layer 0 via 127.0.0.1:{port}: S5: no reply within 0.5s"
+        assert str(info.value) == f"S4: layer 0 cannot be written: {late}; {late}"
+        assert gone.poll(int(WAIT * 1000)), "the timed-out connection is still open"
+        assert recv_monitor_message(gone)["event"] == zmq.EVENT_DISCONNECTED
+        assert pw.stats.peers_lost == 1
+        pw.add_request("r2", params(port), [2], [2])
+        pw.schedule_chunk("r2", 4, True)
+        pw.begin_layer(0)  # the failed gate was observed above; the slot is free
+        p.write(0, 2, [2], [2])
+        pw.layer_written(0, None)
+        new, meta = _take(router)
+        assert isinstance(meta, wire.MfMeta)  # a new handshake (W1) ...
+        assert new != old, "the READY after a reply timeout reused the timed-out connection"
+        router.send_multipart([new, wire.encode(wire.MfMetaAck(True, 1))])
+        ident, ready = _take(router)  # ... and the READY over the new connection
+        assert ident == new and isinstance(ready, wire.ReadReadyBatch)
+        router.send_multipart([new, wire.encode(wire.ReadDone(0))])
+        pw.wait_for_layer_send(0, WAIT)
+        assert pw.drain(WAIT) == []
+    finally:
+        pw.close()
+        gone.close()
+        router.close()
+        ctx.term()
+
+
 def test_a_ready_held_for_destinations_is_read_once_they_are_registered(
         engines: tuple[HostEngine, HostEngine]) -> None:
     """C1: a READY that came before its request was registered waits on Decode; the
