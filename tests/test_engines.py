@@ -1769,6 +1769,25 @@ def test_a_registry_frame_is_bounded_and_complete(monkeypatch: pytest.MonkeyPatc
         assert str(info2.value) == "peer closed the registry connection"
 
 
+def test_a_registry_frame_arriving_in_pieces_is_assembled_in_order() -> None:
+    class Trickle:
+        """A connection that delivers at most 3 bytes per receive."""
+
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def recv_into(self, view: memoryview) -> int:
+            k = min(3, len(view), len(self.data))
+            view[:k], self.data = self.data[:k], self.data[k:]
+            return k
+
+    body = b"0123456789abcdefghij"
+    import struct
+
+    assert host_mod._recv_frame(Trickle(struct.pack(">I", 3) + b"\xa2hi")) == "hi"  # type: ignore[arg-type]
+    assert host_mod._recv_exact(Trickle(body), 20) == body  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("answer", "why"), [
     (b"", "peer closed the registry connection"),
     (b"\x00\x00\x00\x10short", "peer closed the registry connection"),
@@ -1882,6 +1901,8 @@ def test_the_registry_drops_a_failed_client_at_once_and_keeps_an_answered_one_a_
         assert [r.getMessage() for r in caplog.records] == [
             f"registry client dropped: registry frame of 4294967295 bytes exceeds {64 << 20}"]
         assert not _closed_by_registry_within(answered, 0.2)  # still lingering
+        answered.shutdown(socket.SHUT_WR)  # the reader is done with it: the registry lets go
+        assert _closed_by_registry_within(answered, 10.0)
         garbage.close()
         answered.close()
     finally:
@@ -1895,6 +1916,8 @@ def test_the_registry_drops_a_failed_client_at_once_and_keeps_an_answered_one_a_
         assert _closed_by_registry_within(answered, 10.0)  # the reader never closed it
         assert 0.5 < time.monotonic() - t0 < 5.0
         answered.close()
+        with _ask(port) as again:  # and the registry goes on answering
+            assert host_mod._recv_frame(again)["pid"] == os.getpid()
     finally:
         eng.close()
 
@@ -2039,4 +2062,42 @@ def test_allocation_sizes_and_an_unwritable_shm_directory(
             str(info2.value)), str(info2.value)
     finally:
         monkeypatch.undo()
+        eng.close()
+
+
+def test_an_idle_registry_waits_without_spinning_and_wakes_for_each_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle, the registry thread blocks for an hour at a time (it costs nothing); while a
+    line lingers it wakes no later than that line's deadline."""
+    import selectors
+    import threading
+
+    waits: list[float] = []
+    changed = threading.Condition()
+
+    class Recording(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+        def select(self, timeout: float | None = None) -> Any:
+            with changed:
+                waits.append(timeout if timeout is not None else float("inf"))
+                changed.notify_all()
+            return super().select(timeout)
+
+    def idle() -> bool:
+        return bool(waits) and waits[-1] > host_mod._IDLE_SELECT_S - 60
+
+    monkeypatch.setattr(selectors, "DefaultSelector", Recording)
+    eng = HostEngine(timeout=0.5)
+    try:
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        with changed:
+            assert changed.wait_for(lambda: len(waits) == 1, timeout=10)
+        assert idle(), waits
+        with _ask(port) as line:
+            assert host_mod._recv_frame(line)["pid"] == os.getpid()
+            assert _closed_by_registry_within(line, 10.0)  # after its 0.5 s linger
+        with changed:
+            assert changed.wait_for(lambda: len(waits) > 2 and idle(), timeout=10), waits
+        lingering = waits[1:-1]
+        assert lingering and all(0.0 <= w <= 0.5 for w in lingering), waits
+    finally:
         eng.close()
