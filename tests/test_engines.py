@@ -806,6 +806,30 @@ def test_a_batch_of_more_than_iov_max_separate_descriptors_reads_correctly(
     assert (got[:, size:] == SENTINEL).all()  # the gaps stay untouched
 
 
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_batch_at_the_iov_max_boundary_reads_correctly(
+    cma_peer: Peer, reader: HostEngine, monkeypatch: pytest.MonkeyPatch, extra: int
+) -> None:
+    """Exactly IOV_MAX separate descriptors fit one process_vm_readv; one more must start a
+    second syscall, since the kernel refuses 1025 iovecs (EINVAL) and the read would fail.
+    The real limit, no monkeypatching of it."""
+    region = cma_peer.regions["array"]
+    count, size = host_mod.IOV_MAX + extra, 64
+    dst, base = _dest(reader, count * 2 * size)
+    local = base + np.arange(count, dtype=np.uint64) * np.uint64(2 * size)  # gaps: no merging
+    order = np.random.default_rng(5).permutation(count).astype(np.uint64)
+    peer = region[0] + order * np.uint64(size)
+    sizes = np.full(count, size, dtype=np.uint64)
+    syscalls = _record_syscalls(monkeypatch)
+    assert reader.batch_transfer_sync_read(cma_peer.session, local, peer, sizes) == 0, (
+        reader.last_error)
+    got = dst.reshape(count, 2 * size)
+    want = pattern(*region[1:])[: count * size].reshape(count, size)[order.astype(np.intp)]
+    np.testing.assert_array_equal(got[:, :size], want)
+    assert (got[:, size:] == SENTINEL).all()
+    assert [len(lens) for lens in syscalls] == [host_mod.IOV_MAX] + [1] * extra
+
+
 def _serving_pair() -> tuple[HostEngine, HostEngine, np.ndarray, int]:
     """An owner and a reader engine in this process (CMA on our own pid is always
     permitted): the owner serves one registered array."""
