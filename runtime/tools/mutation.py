@@ -77,6 +77,7 @@ TEST_FILES = (
     "tests/test_metaserver.py",
     "tests/test_tp_group.py",
     "tests/test_control.py",
+    "tests/test_control_decode_loop.py",
     "tests/test_trace_validator.py",
     "tests/test_trace_replies.py",
     "tests/test_robustness.py",
