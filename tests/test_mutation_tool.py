@@ -313,3 +313,35 @@ def test_a_failed_unmutated_pass_shows_which_tests_failed(
     err = capsys.readouterr().err
     assert "tests that failed without a mutant" in err
     assert "tests/test_x.py::test_y (call)\nboom" in err
+
+
+def test_survivors_option_runs_only_the_undetected_mutants_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """After tests are written for the survivors, ``--survivors`` re-runs just those (by
+    name), not the file's untested mutants; with none left it runs nothing."""
+    import subprocess
+
+    stage = tmp_path / "stage"
+    meta = stage / "mutants/sfa_rd2h/runtime/tp_group.py.meta"
+    meta.parent.mkdir(parents=True)
+    module = "sfa_rd2h.runtime.tp_group"
+    meta.write_text(json.dumps({"exit_code_by_key": {
+        f"{module}.x_f__mutmut_1": 1, f"{module}.x_f__mutmut_2": 0,
+        f"{module}.x_f__mutmut_3": 33, f"{module}.x_f__mutmut_4": None}}))
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(mutation.subprocess, "run", fake_run)
+    parser = argparse.ArgumentParser()
+    mutation.add_mutation_parser(parser.add_subparsers())
+    args = parser.parse_args(["mutation", "--only", "runtime/tp_group.py", "--survivors",
+                              "--stage", str(stage), "--max-children", "1"])
+    mutation.cmd_mutation(args)
+    assert calls[0][-2:] == [f"{module}.x_f__mutmut_2", f"{module}.x_f__mutmut_3"]
+    meta.write_text(json.dumps({"exit_code_by_key": {f"{module}.x_f__mutmut_1": 1}}))
+    assert mutation.cmd_mutation(args) == 0 and len(calls) == 1
+    assert "no undetected mutant to run again" in capsys.readouterr().err

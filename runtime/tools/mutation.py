@@ -635,6 +635,9 @@ def add_mutation_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="run only the mutants whose mutmut name matches GLOB (repeatable), "
                         "e.g. 'sfa_rd2h.spec.wire.*', leaving the rest of the staged files "
                         "as they are; matching mutants run again even if they have a result")
+    p.add_argument("--survivors", action="store_true",
+                   help="run only the target files' mutants that were not detected last time "
+                        "(after writing tests for them), not the untested ones")
     p.add_argument("--report", action="store_true",
                    help="report the last run's results without running anything")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -665,9 +668,16 @@ def cmd_mutation(args: argparse.Namespace) -> int:
             print(f"no target file matches {args.only}; targets: {', '.join(TARGETS)}",
                   file=sys.stderr)
             return 2
+        names = list(args.mutants)
+        if getattr(args, "survivors", False):
+            names += sorted(m.name for m in load_mutants(stage_dir, files)
+                            if m.status in UNDETECTED)
+            if not names:
+                print("no undetected mutant to run again", file=sys.stderr)
+                return 0
         stage(root, stage_dir, files, TEST_FILES, args.fresh)
         t0 = time.monotonic()
-        rc = run_mutmut(stage_dir, args.max_children, args.mutants)
+        rc = run_mutmut(stage_dir, args.max_children, names)
         seconds = time.monotonic() - t0
         if rc != 0:
             print(f"mutmut exited with {rc}", file=sys.stderr)
