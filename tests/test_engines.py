@@ -860,7 +860,8 @@ def test_a_peer_that_unregisters_during_the_copy_fails_the_read(
         monkeypatch.setattr(host_mod, "_copy", copy_then_unregister)
         ret = other.batch_transfer_sync_read(owner.session_id, [base], [addr], [4096])
         assert ret == TransferResult.PEER_RANGE, other.last_error
-        assert "during the copy" in other.last_error
+        assert other.last_error == (
+            "PEER_RANGE: during the copy: peer unregistered memory since it was described")
     finally:
         other.close()
         owner.close()
@@ -1520,8 +1521,18 @@ def _stale(reply: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
                                                "hold the registry socket that answered"),
     (lambda r: _stale(r, "ctl", "sfa_rd2h.1.0.ctl"), "registry at {s} refused: segments "
                                                      "['sfa_rd2h.1.0.ctl'] are not pid {pid}'s"),
-], ids=["version", "no-pid", "boot", "pidns", "lens", "pid-0", "pid-str", "pid-other", "ctl"])
-def test_a_registry_answer_that_cannot_be_used_is_named(tamper: Any, why: str) -> None:
+    (lambda r: _stale(r, "pid", 1), "registry at {s} refused: pid 1 does not hold the registry "
+                                    "socket that answered"),
+    (lambda r: _stale(r, "shm", [["sfa_rd2h.1.0.1", 4096, 64]]),
+     "registry at {s} refused: segments ['sfa_rd2h.1.0.1'] are not pid {pid}'s"),
+    (lambda r: {**r, "ctl": "c", "shm": [["s1", 1, 1], ["s2", 2, 2], ["s3", 3, 3]]},
+     "registry at {s} refused: segments ['c', 's1', 's2'] are not pid {pid}'s"),
+    (lambda r: _stale(r, "ctl", f"sfa_rd2h.{r['pid']}.0.ctl/../x"),
+     "unusable registry reply from {s}: refusing shm name 'sfa_rd2h.{pid}.0.ctl/../x'"),
+], ids=["version", "no-pid", "boot", "pidns", "lens", "pid-0", "pid-str", "pid-other", "ctl",
+        "pid-1", "shm", "first-three", "ctl-name"])
+def test_a_registry_answer_that_cannot_be_used_is_named(
+        tamper: Any, why: str, caplog: pytest.LogCaptureFixture) -> None:
     """Whatever is wrong with a registry's answer, the read fails as unreachable and says
     what was wrong, and nothing is copied."""
     owner, other, src, addr = _serving_pair()
@@ -1530,10 +1541,15 @@ def test_a_registry_answer_that_cannot_be_used_is_named(tamper: Any, why: str) -
         assert owner._server is not None
         honest = owner._describe
         owner._server._describe = lambda: tamper(honest())
-        ret = other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64])
+        with caplog.at_level("WARNING", logger=host_mod.__name__):
+            ret = other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64])
         assert ret == TransferResult.PEER_UNREACHABLE
         text = why.format(s=owner.session_id, pid=os.getpid(), ppid=os.getppid())
         assert other.last_error == f"PEER_UNREACHABLE: {text}"
+        prefix = f"registry at {owner.session_id} refused: "
+        assert [r.getMessage() for r in caplog.records] == (  # a refusal is worth a warning
+            [f"host engine refuses {owner.session_id}: {text[len(prefix):]}"]
+            if text.startswith(prefix) else [])
         assert (dst == SENTINEL).all()
     finally:
         other.close()
@@ -1652,9 +1668,9 @@ def test_under_yama_scope_1_the_owner_names_its_ptracer(monkeypatch: pytest.Monk
     process whose descendants may read it (PR_SET_PTRACER); otherwise it declares nothing."""
     from types import SimpleNamespace
 
-    calls: list[tuple[int, int]] = []
+    calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(host_mod, "_libc", SimpleNamespace(
-        prctl=lambda op, pid, *rest: calls.append((op, pid.value)) or 0))
+        prctl=lambda op, pid, *rest: calls.append((op, pid.value, *rest)) or 0))
     monkeypatch.setattr(host_mod, "cma_status", lambda: (True, "yama ptrace_scope=1"))
     monkeypatch.setenv("SFA_RD2H_PTRACER", "4321")
     for scope, cap, mode, declared in ((1, False, "cma", True), (1, True, "cma", False),
@@ -1667,7 +1683,7 @@ def test_under_yama_scope_1_the_owner_names_its_ptracer(monkeypatch: pytest.Monk
         try:
             assert calls == []  # nothing before it serves
             eng.initialize("127.0.0.1")
-            assert calls == ([(0x59616D61, 4321)] if declared else []), (scope, cap, mode)
+            assert calls == ([(0x59616D61, 4321, 0, 0, 0)] if declared else []), (scope, cap, mode)
         finally:
             eng.close()
 
@@ -1960,9 +1976,17 @@ def test_the_registry_keeps_at_most_max_lingering_lines_and_closes_them_on_stop(
         assert _closed_by_registry_within(lines[2], 10.0)  # one too many: not kept
         assert not _closed_by_registry_within(lines[0], 0.2)
         assert not _closed_by_registry_within(lines[1], 0.2)
+        for c in lines[:2]:  # their readers are done: the registry lets them go
+            c.shutdown(socket.SHUT_WR)
+            assert _closed_by_registry_within(c, 10.0)
+        for _ in range(2):  # which leaves room for two more
+            lines.append(_ask(port))
+            assert host_mod._recv_frame(lines[-1])["pid"] == os.getpid()
+        assert not _closed_by_registry_within(lines[3], 0.2)
+        assert not _closed_by_registry_within(lines[4], 0.2)
         eng.close()
-        assert _closed_by_registry_within(lines[0], 10.0)  # stopping lets them go
-        assert _closed_by_registry_within(lines[1], 10.0)
+        assert _closed_by_registry_within(lines[3], 10.0)  # stopping lets them go
+        assert _closed_by_registry_within(lines[4], 10.0)
     finally:
         eng.close()
         for c in lines:
@@ -2125,3 +2149,98 @@ def test_an_idle_registry_waits_without_spinning_and_wakes_for_each_deadline(
         assert lingering and all(0.0 <= w <= 0.5 for w in lingering), waits
     finally:
         eng.close()
+
+
+def test_a_stalled_client_holds_the_registry_for_its_io_bound_only() -> None:
+    """A client that connects and says nothing is given up after the registry's I/O bound,
+    so a reader queued behind it is still answered."""
+    owner, reader = HostEngine(timeout=0.5), HostEngine(timeout=10.0)
+    try:
+        session = owner.initialize("127.0.0.1")
+        src = pattern(64, 6).copy()
+        owner.register_memory(int(src.ctypes.data), 64)
+        dst, base = _dest(reader, 64)
+        with socket.create_connection(("127.0.0.1", int(session.rsplit(":", 1)[1]))):
+            ret = reader.batch_transfer_sync_read(session, [base], [int(src.ctypes.data)], [64])
+            assert ret == 0, reader.last_error
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_an_empty_batch_moves_nothing_and_asks_nobody() -> None:
+    eng = HostEngine()
+    try:
+        dst, base = _dest(eng, 64)
+        unreachable = f"127.0.0.1:{_closed_port()}"
+        assert eng.batch_transfer_sync_read(unreachable, [], [], []) == 0
+        assert eng.batch_transfer_sync_read(unreachable, [base], [base], [0]) == 0
+        assert eng.batch_transfer_sync_read(unreachable, np.array([base] * 20, np.uint64),
+                                            np.array([base] * 20, np.uint64),
+                                            np.zeros(20, np.uint64)) == 0
+        assert eng.last_error == "" and (dst == SENTINEL).all()
+    finally:
+        eng.close()
+
+
+def test_a_reader_keeps_no_descriptor_of_a_peer_it_no_longer_views() -> None:
+    """Each view of a peer holds a pidfd; it is closed when the view is dropped (a refresh,
+    a closed reader), so a long-running reader does not accumulate descriptors."""
+    import gc
+
+    owner, other, src, addr = _serving_pair()
+    try:
+        dst, base = _dest(other, 64)
+        assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64]) == 0
+        gc.collect()
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            owner.unregister_memory(addr)  # each withdrawal makes the reader look again
+            owner.register_memory(addr, src.nbytes)
+            assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64]) == 0
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_without_pidfds_a_reader_still_notices_an_exited_peer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where pidfds are unavailable, a view compares the peer's start time instead."""
+    monkeypatch.setattr(host_mod, "_open_pidfd", lambda pid, start: None)
+    owner, other, src, addr = _serving_pair()
+    try:
+        dst, base = _dest(other, 64)
+        assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64]) == 0
+        np.testing.assert_array_equal(dst, src[:64])
+        assert other._peers[owner.session_id].pidfd is None
+        real = host_mod._proc_start_time
+        monkeypatch.setattr(host_mod, "_proc_start_time",
+                            lambda pid: None if pid == os.getpid() else real(pid))
+        dst.fill(SENTINEL)  # as if the pid now belonged to nobody, or somebody else
+        assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64]) == (
+            TransferResult.PEER_GONE)
+        assert other.last_error == f"PEER_GONE: peer process {os.getpid()} has exited"
+        assert (dst == SENTINEL).all()
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_a_cma_reader_ignores_shm_entries_that_name_no_segment() -> None:
+    """Only entries that are [name, base, size] lists name a segment to prove; a CMA reader
+    maps none of them, so anything else in that list does not stop the read."""
+    owner, other, src, addr = _serving_pair()
+    try:
+        assert owner._server is not None
+        honest = owner._describe
+        owner._server._describe = lambda: {**honest(), "shm": [[], "", None]}
+        dst, base = _dest(other, 64)
+        assert other.batch_transfer_sync_read(owner.session_id, [base], [addr], [64]) == 0, (
+            other.last_error)
+        np.testing.assert_array_equal(dst, src[:64])
+    finally:
+        other.close()
+        owner.close()
