@@ -197,8 +197,12 @@ def test_tensor_region_rejects_strided_views() -> None:
 
     t = torch.zeros(4, 8, dtype=torch.float32)
     assert tensor_region(t) == (t.data_ptr(), 128)
-    with pytest.raises(RegistrationError):
+    with pytest.raises(RegistrationError) as info:
         tensor_region(t.t())
+    assert str(info.value) == "only a contiguous tensor is one registrable byte range"
+    with pytest.raises(TypeError) as info2:
+        tensor_region(np.zeros(4))  # type: ignore[arg-type]
+    assert str(info2.value) == "torch.Tensor expected, got ndarray"
 
 
 def test_registration_is_idempotent_and_rejects_overlap() -> None:
@@ -2244,3 +2248,30 @@ def test_a_cma_reader_ignores_shm_entries_that_name_no_segment() -> None:
     finally:
         other.close()
         owner.close()
+
+
+def test_a_registration_the_library_refuses_or_raises_on_is_reported_and_not_kept() -> None:
+    """Any non-zero answer (positive ones too) comes with the library's diagnostics; an
+    exception is reported as -1 with its text; either way the region is not kept."""
+    fake = _FakeMooncake()
+    eng = _memfabric(fake, role="decode", store_url="tcp://10.0.0.1:6650")
+    eng.initialize("127.0.0.1", 7000)
+    try:
+        buf = np.zeros(64, dtype=np.uint8)
+        at = int(buf.ctypes.data)
+        fake.last_error = "out of pinned memory"
+        fake.answers["register_memory"] = 1
+        with pytest.raises(RegistrationError) as info:
+            eng.register_memory(at, 64)
+        assert str(info.value) == (f"MemFabric register_memory(0x{at:x}, 64) returned 1: "
+                                   "out of pinned memory")
+        fake.answers["register_memory"] = RuntimeError("no NIC")
+        with pytest.raises(RegistrationError) as info:
+            eng.register_memory(at, 64)
+        assert str(info.value) == f"MemFabric register_memory(0x{at:x}, 64) returned -1: no NIC"
+        fake.answers["register_memory"] = 0
+        fake.calls.clear()
+        eng.register_memory(at, 64)  # neither refusal was kept: the library is asked again
+        assert fake.calls == [("register_memory", at, 64)]
+    finally:
+        eng.close()
