@@ -4,11 +4,13 @@ plays Prefill over real loopback ZMQ."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -17,7 +19,9 @@ from test_control import WAIT, _dealer, _recv, make_decode, make_prefill
 from sfa_rd2h.runtime.control import DecodeWorker
 from sfa_rd2h.runtime.engines.host import HostEngine
 from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.errors import ProtocolError, WireError
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.trace import Tracer
 
 
 @pytest.fixture
@@ -118,3 +122,151 @@ def test_an_idle_reader_thread_sleeps_in_its_poll(engines: tuple[HostEngine, Hos
         sock.close()
         dw.close()
         ctx.term()
+
+
+# --------------------------------------------------------------------------- what the reader
+# reports: every bad, refused or undeliverable frame is counted, logged (throttled per kind)
+# with the whole error, and traced.
+
+LOGGER = "sfa_rd2h.runtime.control"
+
+
+def _records(tracer: Tracer) -> list[dict[str, Any]]:
+    tracer.close()
+    return [json.loads(line) for line in tracer.path.read_text().splitlines()]
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+
+def test_bad_framing_is_counted_logged_whole_and_traced_cut_to_200_chars(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A message that is not identity + one payload is dropped: counted every time, logged
+    once per interval with its rank and the whole error, and traced once (the record's
+    error cut to 200 characters, so a hostile frame cannot bloat the trace)."""
+    _, de = engines
+    d = make_decode(de, 1)
+    long_error = "".join(chr(ord("a") + i % 26) for i in range(300))
+    real_split = wire.split_router_frames
+
+    def split(frames: Any) -> tuple[bytes, bytes]:
+        identity, payload = real_split(frames)
+        if payload == b"too-long-to-trace":
+            raise WireError(long_error)
+        return identity, payload
+
+    monkeypatch.setattr(wire, "split_router_frames", split)
+    tracer = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, tracer=tracer)
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill")
+    try:
+        with caplog.at_level("WARNING", logger=LOGGER):
+            sock.send(b"too-long-to-trace")
+            sock.send(b"too-long-to-trace")
+            _handshake(sock, "127.0.0.1:1", {})  # FIFO: both were handled before its reply
+        assert dw.stats.bad_framing == 2
+        assert dw.stats.frames_received == 3
+        assert _warnings(caplog) == [f"decode rank 0: dropped a message: {long_error}"]
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+    traced = [{k: v for k, v in r.items() if k != "t"} for r in _records(tracer)
+              if r.get("event") == "bad_framing"]
+    assert traced == [{"k": "info", "event": "bad_framing", "error": long_error[:200]}]
+
+
+def test_a_protocol_error_out_of_the_core_is_counted_logged_and_the_reader_goes_on(
+        engines: tuple[HostEngine, HostEngine], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The core answers what it can itself; a ProtocolError that still escapes it refuses
+    that one frame: counted each time, logged once per interval naming the rank, the peer
+    and the error, and the next frame is served. Kinds are throttled apart: a bad framing
+    right after is logged too."""
+    _, de = engines
+    d = make_decode(de, 1)
+    core = DecodeCore(0, 1, d.layouts)
+    real_on_frame = core.on_frame
+
+    def on_frame(peer: str, payload: bytes, now: float) -> list[Any]:
+        if payload == b"refuse-me":
+            raise ProtocolError("W5: refused by the test")
+        return real_on_frame(peer, payload, now)
+
+    monkeypatch.setattr(core, "on_frame", on_frame)
+    dw = DecodeWorker(core, de, 0)
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill-7")
+    try:
+        with caplog.at_level("WARNING", logger=LOGGER):
+            sock.send(b"refuse-me")
+            sock.send(b"refuse-me")
+            sock.send_multipart([b"one", b"two"])
+            _handshake(sock, "127.0.0.1:1", {})  # served after the refusals (FIFO)
+        assert dw.stats.rejected_frames == 2
+        assert dw.stats.bad_framing == 1
+        assert _warnings(caplog) == [
+            f"decode rank 0: rejected frame from {b'prefill-7'.hex()}: W5: refused by the test",
+            "decode rank 0: dropped a message: router frames: expected exactly one non-empty "
+            "payload frame, got 2"]
+        assert dw._thread.is_alive()
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+
+
+def test_replies_to_a_vanished_prefill_are_counted_logged_traced_and_forget_it(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """S5: two Prefill connections sent MF_META and a READY held for destinations, then went
+    away. When the destinations come the reads run, and each READ_DONE is undeliverable
+    (ROUTER_MANDATORY): counted each time, logged once per interval with the rank, the peer
+    and ZMQ's error, traced as a send, and the core forgets each connection (its next READY
+    needs a new MF_META, W1). A live Prefill is still answered."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    tracer = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+    core = DecodeCore(0, 1, d.layouts, destination_wait=WAIT)
+    ready: list[str] = []
+    cond = threading.Condition()
+
+    def on_ready(a: Any) -> None:
+        with cond:
+            ready.append(a.ext_req_id)
+            cond.notify_all()
+
+    dw = DecodeWorker(core, de, 0, tracer=tracer, on_ready=on_ready)
+    ghosts = {"r1": b"gone-1".hex(), "r2": b"gone-2".hex()}
+    meta = wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION))
+    with dw._cond:  # what those connections sent before they vanished
+        for ext, ghost in ghosts.items():
+            core.on_frame(ghost, meta, time.monotonic())
+            core.on_frame(ghost, wire.encode(wire.ReadReadyBatch(
+                0, "l0", (wire.ReadReq(ext, (1,), (1,)),), (ext,))), time.monotonic())
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"alive")
+    try:
+        with caplog.at_level("WARNING", logger=LOGGER):
+            dw.register_request("r1", [2], [2])
+            dw.register_request("r2", [3], [3])
+            with cond:  # each READ_DONE was sent (and failed) before its on_ready
+                assert cond.wait_for(lambda: len(ready) == 2, WAIT)
+            _handshake(sock, "127.0.0.1:1", {})
+        assert dw.stats.undeliverable == 2
+        assert _warnings(caplog) == [
+            f"decode rank 0: reply to {ghosts['r1']} undeliverable: Host unreachable"]
+        assert not set(ghosts.values()) & set(core.connections)
+        assert b"alive".hex() in core.connections
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+    sends = [(r["dir"], r["peer"], r["kind"]) for r in _records(tracer) if r["k"] == "msg"]
+    assert sends == [("send", ghosts["r1"], "read_done"), ("send", ghosts["r2"], "read_done"),
+                     ("recv", b"alive".hex(), "mf_meta"),
+                     ("send", b"alive".hex(), "mf_meta_ack")]
