@@ -1643,3 +1643,227 @@ def test_a_failed_collective_ends_the_loop_for_good(
     assert record.exc_info is not None and record.exc_info[1] is boom
     loop.run(_Outcomes(), until=lambda agreed: False)  # type: ignore[arg-type]
     assert calls == [{}]
+
+
+def test_decode_expires_a_request_when_the_clock_reaches_its_deadline(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """R1 with no traffic at all: the reader wakes for the request's deadline by itself and
+    fails the request when the clock reads exactly the deadline (not one tick later)."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    _, de = engines
+    d = make_decode(de, 1)
+    now = [100.0]
+    readies: list[RequestReady] = []
+    expired = threading.Event()
+
+    def on_ready(a: RequestReady) -> None:
+        readies.append(a)
+        expired.set()
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, request_deadline=0.2), de, 0,
+                      on_ready=on_ready, clock=lambda: now[0])
+    try:
+        dw.register_request("r", [1], [1])
+        now[0] = 100.0 + 0.2  # where the reader finds the clock when its poll times out
+        assert expired.wait(WAIT)
+        assert readies == [RequestReady("r", False)] and dw.local_outcome("r") is False
+    finally:
+        dw.close()
+
+
+def test_decode_wakes_for_a_deadline_while_no_frame_arrives(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """R1: once the registration's wake-up is handled, nothing else arrives; the reader
+    still wakes for the request's deadline by itself and fails the request."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    _, de = engines
+    d = make_decode(de, 1)
+    readies: list[RequestReady] = []
+    expired = threading.Event()
+
+    def on_ready(a: RequestReady) -> None:
+        readies.append(a)
+        expired.set()
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, request_deadline=0.2), de, 0,
+                      on_ready=on_ready)
+    try:
+        t0 = time.monotonic()
+        dw.register_request("r", [1], [1])
+        assert expired.wait(WAIT)
+        assert time.monotonic() - t0 >= 0.2
+        assert readies == [RequestReady("r", False)]
+    finally:
+        dw.close()
+
+
+def test_worker_threads_are_named_daemons(engines: tuple[HostEngine, HostEngine]) -> None:
+    """What an operator sees in a thread dump: ``prefill<rank>-sender`` and
+    ``decode<rank>-reader``; both are daemons, so a worker left open does not hold up
+    interpreter exit."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    pw = PrefillWorker(p.core())
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0)
+    try:
+        names = {t.name: t.daemon for t in threading.enumerate()}
+        assert names["prefill0-sender"] is True and names["decode0-reader"] is True
+    finally:
+        pw.close()
+        dw.close()
+
+
+def test_a_failed_io_thread_is_logged_and_named_to_every_caller(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """The sender fails (its device event raised) and the reader fails (a callback on it
+    raised): each is logged once with its rank, and every later API call says which thread
+    failed and with what."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    lost, bug = RuntimeError("device lost"), RuntimeError("callback bug")
+
+    class Broken:
+        def synchronize(self) -> None:
+            raise lost
+
+    raised = threading.Event()
+
+    def on_ready(a: Any) -> None:
+        raised.set()
+        raise bug
+
+    pw = PrefillWorker(p.core())
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, request_deadline=0.05), de, 0,
+                      on_ready=on_ready)
+    try:
+        with caplog.at_level("ERROR", logger="sfa_rd2h.runtime.control"):
+            pw.begin_layer(0)
+            pw.layer_written(0, Broken())
+            with pytest.raises(ControlPlaneError) as info:
+                pw.drain(WAIT)  # wakes when the sender records its failure
+            assert str(info.value) == "prefill 0 sender thread failed: RuntimeError('device lost')"
+            dw.register_request("r", [1], [1])  # its deadline calls on_ready on the reader
+            assert raised.wait(WAIT)
+            dw.close()  # joins the reader, which has recorded its failure
+        with pytest.raises(ControlPlaneError) as info:
+            dw.register_request("s", [2], [2])
+        assert str(info.value) == "decode 0 reader thread failed: RuntimeError('callback bug')"
+        with pytest.raises(ControlPlaneError) as info:
+            pw.begin_layer(0)
+        assert str(info.value) == "prefill 0 sender thread failed: RuntimeError('device lost')"
+        records = [(r.getMessage(), r.exc_info[1] if r.exc_info else None)
+                   for r in caplog.records if r.name == "sfa_rd2h.runtime.control"]
+        assert records == [("prefill rank 0 sender thread failed", lost),
+                           ("decode rank 0 reader thread failed", bug)]
+    finally:
+        pw.close()
+        dw.close()
+
+
+def test_decode_close_is_bounded_and_says_what_held_it(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """close(timeout): a reader busy in a slow callback is waited for within the bound; one
+    that does not return is reported after it (at least 0.1 s); a transfer-engine read that
+    does not return is reported by name."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+
+    # A callback that takes 0.3 s: close(WAIT) waits for it and succeeds.
+    entered = threading.Event()
+
+    def slow(a: Any) -> None:
+        entered.set()
+        threading.Event().wait(0.3)  # the callback's own work
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, request_deadline=0.05), de, 0,
+                      on_ready=slow)
+    dw.register_request("r", [1], [1])
+    assert entered.wait(WAIT)
+    assert _bounded(lambda: dw.close(WAIT)) == [None]
+
+    # A callback that does not return: close gives up after its bound and says so.
+    entered.clear()
+    release = threading.Event()
+
+    def stuck(a: Any) -> None:
+        entered.set()
+        assert release.wait(WAIT)
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, request_deadline=0.05), de, 0,
+                      on_ready=stuck)
+    try:
+        dw.register_request("r", [1], [1])
+        assert entered.wait(WAIT)
+        [exc] = _bounded(lambda: dw.close(0.05))
+        assert isinstance(exc, ControlPlaneError)
+        assert str(exc) == "decode 0 reader thread did not stop within 0.1s"
+    finally:
+        release.set()
+        dw.close()
+
+    # A read that does not return.
+    reading, release = threading.Event(), threading.Event()
+
+    class Stuck:
+        def batch_transfer_sync_read(self, *args: Any) -> int:
+            reading.set()
+            assert release.wait(WAIT)
+            return 0
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Stuck(), 0)  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill-0")
+    try:
+        sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)))
+        assert wire.decode_meta_reply(_recv(sock)).accepted
+        dw.register_request("r", [1], [1])
+        sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r", (1,), (1,)),),
+                                                  ("r",))))
+        assert reading.wait(WAIT)
+        [exc] = _bounded(lambda: dw.close(0.05))
+        assert isinstance(exc, ControlPlaneError)
+        assert str(exc) == "decode 0: a transfer-engine read did not finish within 0.05s"
+    finally:
+        release.set()
+        sock.close()
+        dw.close()
+        ctx.term()
+
+
+def test_workers_close_their_own_context_and_leave_a_shared_one_open(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """A context the caller passed stays usable after the workers close (the caller owns
+    it); a context a worker made itself is terminated by close, so closed workers hold no
+    file descriptors, even while the caller still references them."""
+    import gc
+    import os
+
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+
+    def cycle(ctx: zmq.Context | None) -> list[Any]:
+        pw = PrefillWorker(p.core(), context=ctx)
+        dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, context=ctx)
+        pw.close()
+        dw.close()
+        return [pw, dw]  # kept: closing must release the context, not the garbage collector
+
+    def open_fds() -> int:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    cycle(None)  # whatever is opened once per process is opened now
+    before = open_fds()
+    shared = zmq.Context()
+    closed = cycle(shared)
+    assert not shared.closed
+    shared.socket(zmq.PAIR).close()  # still usable
+    shared.term()
+    closed += [w for _ in range(3) for w in cycle(None)]
+    assert open_fds() == before and len(closed) == 8
