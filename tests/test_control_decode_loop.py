@@ -16,7 +16,7 @@ import pytest
 import zmq
 from test_control import WAIT, _dealer, _recv, make_decode, make_prefill
 
-from sfa_rd2h.runtime.control import DecodeWorker
+from sfa_rd2h.runtime.control import BindError, CurveSecurity, DecodeWorker
 from sfa_rd2h.runtime.engines.host import HostEngine
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError, WireError
@@ -270,3 +270,106 @@ def test_replies_to_a_vanished_prefill_are_counted_logged_traced_and_forget_it(
     assert sends == [("send", ghosts["r1"], "read_done"), ("send", ghosts["r2"], "read_done"),
                      ("recv", b"alive".hex(), "mf_meta"),
                      ("send", b"alive".hex(), "mf_meta_ack")]
+
+
+# --------------------------------------------------------------------------- what it shows
+
+
+def test_an_ipv6_rank_shows_its_endpoint_in_brackets_and_traces_it(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path) -> None:
+    """P1: ``endpoint`` is what Prefill connects to and what the trace pairs connections
+    by; an IPv6 host is bracketed (``[::1]:port``) so the port stays separable, an IPv4
+    one is not. A Prefill reaches the rank at that endpoint."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.IPV6, 1)  # sockets of this context speak IPv6
+    tracer = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, host="::1", tracer=tracer,
+                      context=ctx)
+    v4 = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, context=ctx)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        assert dw.endpoint == f"[::1]:{dw.port}"
+        assert v4.endpoint == f"127.0.0.1:{v4.port}"
+        sock.connect(f"tcp://{dw.endpoint}")
+        _handshake(sock, pe.session_id, p.layers)
+    finally:
+        sock.close()
+        dw.close()
+        v4.close()
+        ctx.term()
+    infos = [{k: v for k, v in r.items() if k != "t"} for r in _records(tracer)
+             if r["k"] == "info"]
+    assert infos == [{"k": "info", "endpoint": f"[::1]:{dw.port}"}]
+
+
+def test_a_host_it_cannot_bind_is_named_with_the_any_port_address(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """P1: with port 0 the rank binds any free port (``tcp://host:*``); when even that
+    fails, the error names the address it tried and ZMQ's reason."""
+    _, de = engines
+    d = make_decode(de, 1)
+    with pytest.raises(BindError) as info:
+        DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, host="no-such-interface")
+    assert str(info.value).startswith(
+        "Decode rank 0 cannot bind its ROUTER on tcp://no-such-interface:* (P1): ")
+    assert str(info.value).endswith(info.value.__cause__.strerror)  # type: ignore[union-attr]
+
+
+def test_curve_authentication_logs_to_the_control_logger(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """Who the CURVE authenticator let in is logged where the rest of the control plane
+    logs (``sfa_rd2h.runtime.control``, at DEBUG), not under pyzmq's own logger."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    server, client = CurveSecurity.generate(), CurveSecurity.generate()
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0,
+                      curve=CurveSecurity(server.public, server.secret,
+                                          allowed_clients=frozenset({client.public})))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_publickey, sock.curve_secretkey = client.public, client.secret
+    sock.curve_serverkey = server.public
+    try:
+        with caplog.at_level("DEBUG", logger=LOGGER):
+            sock.connect(f"tcp://127.0.0.1:{dw.port}")
+            _handshake(sock, pe.session_id, p.layers)  # authenticated before it arrived
+        assert (f"ALLOWED (CURVE auth_callback) domain=* client_key={client.public!r}"
+                in _warnings(caplog))
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+
+
+def test_read_lanes_are_named_after_the_rank(engines: tuple[HostEngine, HostEngine]) -> None:
+    """A thread dump names the thread a batched read runs on: ``decode<rank>-read-<n>``."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    names: list[str] = []
+
+    class Recording:
+        def batch_transfer_sync_read(self, *args: Any) -> int:
+            names.append(threading.current_thread().name)
+            return de.batch_transfer_sync_read(*args)
+
+    dw = DecodeWorker(DecodeCore(3, 4, d.layouts), Recording(), 0)  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill")
+    try:
+        _handshake(sock, pe.session_id, p.layers)
+        dw.register_request("r", [2], [2])
+        sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r", (1,), (1,)),),
+                                                  ("r",))))
+        assert isinstance(wire.decode(_recv(sock)), wire.ReadDone)
+        assert names == ["decode3-read-0"]
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
