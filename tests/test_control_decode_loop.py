@@ -373,3 +373,73 @@ def test_read_lanes_are_named_after_the_rank(engines: tuple[HostEngine, HostEngi
         sock.close()
         dw.close()
         ctx.term()
+
+
+def test_frames_queued_behind_a_dropped_or_refused_one_are_served_before_the_timers(
+        engines: tuple[HostEngine, HostEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped (bad framing) or refused (ProtocolError) frame does not end the batch the
+    reader took: the frames queued behind it are answered before it turns to its timers.
+    Here a held READY's deadline is reached while two more MF_METAs wait behind a bad and a
+    refused frame: both acks come before the READ_FAILED. The frames come over inproc (the
+    ROUTER binds it on the reader thread), so they are all queued before the reader, held
+    in a frame of the test's, goes on."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    clock = SteppedClock(100.0)
+    held, gated, release = threading.Event(), threading.Event(), threading.Event()
+    inproc = f"inproc://decode-loop-{os.getpid()}-{id(held)}"
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "awaiting_destinations":
+            held.set()
+
+    core = DecodeCore(0, 1, d.layouts, destination_wait=5.0, observer=observe)
+    real_on_frame = core.on_frame
+
+    def on_frame(peer: str, payload: bytes, now: float) -> list[Any]:
+        if payload == b"bind-inproc":  # on the reader thread, which owns the ROUTER
+            dw._router.bind(inproc)
+            gated.set()
+            return []
+        if payload == b"gate":
+            gated.set()
+            assert release.wait(WAIT)
+            return []
+        if payload == b"refuse-me":
+            raise ProtocolError("W5: refused by the test")
+        return real_on_frame(peer, payload, now)
+
+    monkeypatch.setattr(core, "on_frame", on_frame)
+    ctx = zmq.Context()
+    dw = DecodeWorker(core, de, 0, clock=clock, context=ctx)
+    tcp = _dealer(ctx, dw.port, b"binder")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        tcp.send(b"bind-inproc")
+        assert gated.wait(WAIT)
+        gated.clear()
+        sock.connect(inproc)
+        _handshake(sock, pe.session_id, p.layers)
+        sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("ghost", (1,), (1,)),),
+                                                  ("ghost",))))
+        assert held.wait(WAIT)
+        sock.send(b"gate")
+        assert gated.wait(WAIT)  # the reader is in the gate frame
+        meta = wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION))
+        sock.send_multipart([b"one", b"two"])
+        sock.send(meta)
+        sock.send(b"refuse-me")
+        sock.send(meta)  # inproc: all of them are queued at the ROUTER now
+        clock.now = 105.0  # the held READY's deadline
+        release.set()
+        replies = [wire.decode(_recv(sock)) for _ in range(3)]
+        assert [type(r) for r in replies] == [wire.MfMetaAck, wire.MfMetaAck, wire.ReadFailed]
+        assert dw.stats.bad_framing == 1 and dw.stats.rejected_frames == 1
+    finally:
+        release.set()
+        sock.close()
+        tcp.close()
+        dw.close()
+        ctx.term()
