@@ -443,3 +443,62 @@ def test_frames_queued_behind_a_dropped_or_refused_one_are_served_before_the_tim
         tcp.close()
         dw.close()
         ctx.term()
+
+
+def test_a_prefill_that_stops_reading_loses_its_replies_but_blocks_no_one(
+        engines: tuple[HostEngine, HostEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """S5: replies to a Prefill that stopped reading pile up to the high-water mark; beyond
+    it each reply is dropped and counted as undeliverable at once, instead of blocking the
+    reader (and every other Prefill it serves) until that one reads again. Over inproc with
+    a receive HWM of 1 the queue holds about 1001 replies, so of 1200 some are dropped, and
+    every one of them was either queued or counted."""
+    _, de = engines
+    d = make_decode(de, 1)
+    n = 1200
+    bound, all_handled = threading.Event(), threading.Event()
+    inproc = f"inproc://decode-loop-{os.getpid()}-{id(bound)}"
+    stuck = b"stuck".hex()
+    core = DecodeCore(0, 1, d.layouts)
+    real_on_frame = core.on_frame
+    seen = [0]
+
+    def on_frame(peer: str, payload: bytes, now: float) -> list[Any]:
+        if payload == b"bind-inproc":  # on the reader thread, which owns the ROUTER
+            dw._router.bind(inproc)
+            bound.set()
+            return []
+        if peer == stuck:
+            seen[0] += 1
+            if seen[0] == n:  # its reply goes out before the reader takes another frame
+                all_handled.set()
+        return real_on_frame(peer, payload, now)
+
+    monkeypatch.setattr(core, "on_frame", on_frame)
+    ctx = zmq.Context()
+    dw = DecodeWorker(core, de, 0, context=ctx)
+    other = _dealer(ctx, dw.port, b"other")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, b"stuck")
+    sock.setsockopt(zmq.RCVHWM, 1)
+    try:
+        other.send(b"bind-inproc")
+        assert bound.wait(WAIT)
+        sock.connect(inproc)
+        meta = wire.encode(wire.MfMeta("127.0.0.1:1", {}, wire.PROTOCOL_VERSION))
+        for _ in range(n):
+            sock.send(meta)  # and never read the replies (yet)
+        assert all_handled.wait(WAIT)
+        _handshake(other, "127.0.0.1:2", {})  # served after the stuck peer's frames
+        dropped = dw.stats.undeliverable
+        assert dropped > 0
+        queued = 0
+        while sock.poll(0):
+            assert wire.decode_meta_reply(sock.recv()).accepted
+            queued += 1
+        assert queued + dropped == n
+    finally:
+        sock.close()
+        other.close()
+        dw.close()
+        ctx.term()
