@@ -430,6 +430,7 @@ def test_dead_peer_gives_non_zero_result_and_no_bytes(reader: HostEngine) -> Non
         t0 = time.monotonic()
         assert reader.batch_transfer_sync_read(peer.session, [base], [a_addr], [4096]) == (
             TransferResult.PEER_GONE)
+        assert reader.last_error == f"PEER_GONE: peer process {peer.pid} has exited"
         assert reader.batch_transfer_sync_read(peer.session, [base], [a_addr], [4096]) == (
             TransferResult.PEER_UNREACHABLE)
         assert time.monotonic() - t0 < 2.5
@@ -2275,3 +2276,99 @@ def test_a_registration_the_library_refuses_or_raises_on_is_reported_and_not_kep
         assert fake.calls == [("register_memory", at, 64)]
     finally:
         eng.close()
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="expected strings are little-endian's")
+def test_socket_addresses_are_written_as_the_kernel_lists_them() -> None:
+    """/proc/net/tcp{,6} print each 32-bit word of an address in host byte order, unsigned."""
+    assert host_mod._kernel_addr(("127.0.0.1", 80)) == "0100007F:0050"
+    assert host_mod._kernel_addr(("10.0.0.200", 65535)) == "C800000A:FFFF"
+    assert host_mod._kernel_addr(("::1", 8080, 0, 0)) == (
+        "00000000000000000000000001000000:1F90")
+    assert host_mod._kernel_addr(("::ffff:10.0.0.200", 1, 0, 0)) == (
+        "0000000000000000FFFF0000C800000A:0001")
+
+
+def test_the_registry_socket_is_found_in_the_table_of_its_family(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answering socket is the table row whose local and remote addresses are the
+    client's remote and local ones; IPv6 clients are looked up in tcp6, IPv4 ones in tcp."""
+    class Client:
+        def __init__(self, mine: tuple, theirs: tuple) -> None:
+            self.mine, self.theirs = mine, theirs
+
+        def getsockname(self) -> tuple:
+            return self.mine
+
+        def getpeername(self) -> tuple:
+            return self.theirs
+
+    v4 = Client(("127.0.0.1", 40000), ("127.0.0.1", 5000))
+    v6 = Client(("::1", 40000, 0, 0), ("::1", 5000, 0, 0))
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt uid " \
+           "timeout inode\n"
+    row4 = "0: {} {} 01 00000000:00000000 00:00000000 00000000 0 0 {} 1 0\n"
+    serv4 = host_mod._kernel_addr(("127.0.0.1", 5000))
+    cli4 = host_mod._kernel_addr(("127.0.0.1", 40000))
+    serv6 = host_mod._kernel_addr(("::1", 5000))
+    cli6 = host_mod._kernel_addr(("::1", 40000))
+    _fake_files(monkeypatch, {
+        "/proc/net/tcp": head + row4.format(cli4, serv4, 111)  # the client's own row
+        + f"1: {serv4} {cli4} 01 0 0 0 0 222\n"  # too short to name an inode
+        + row4.format(serv4, cli4, 333),
+        "/proc/net/tcp6": head + row4.format(serv6, cli6, 666),
+    })
+    assert host_mod._server_socket_inode(v4) == 333  # type: ignore[arg-type]
+    assert host_mod._server_socket_inode(v6) == 666  # type: ignore[arg-type]
+    shortest = f"0: {serv4} {cli4} 01 0 0 0 0 0 444\n"  # the shortest row with an inode
+    _fake_files(monkeypatch, {"/proc/net/tcp": head + shortest})
+    assert host_mod._server_socket_inode(v4) == 444  # type: ignore[arg-type]
+    _fake_files(monkeypatch, {"/proc/net/tcp": head + row4.format(cli4, serv4, 111)})
+    assert host_mod._server_socket_inode(v4) is None  # type: ignore[arg-type]
+    _fake_files(monkeypatch, {})
+    assert host_mod._server_socket_inode(v4) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("count", [1, 20], ids=["python-ints", "arrays"])
+def test_the_kernel_refusing_an_unmapped_source_is_a_failed_copy(count: int) -> None:
+    """A peer may register memory that is not mapped (registration cannot tell); the
+    kernel's EFAULT then fails the read, with its reason, whichever path copied."""
+    import errno
+
+    owner, other, src, addr = _serving_pair()
+    try:
+        unmapped = 0x1000  # below mmap_min_addr: never mapped in a user process
+        owner.register_memory(unmapped, 4096)
+        dst, base = _dest(other, 128 * count)
+        ret = other.batch_transfer_sync_read(owner.session_id,
+                                             [base + 128 * i for i in range(count)],
+                                             [unmapped + 128 * i for i in range(count)],
+                                             [64] * count)
+        assert ret == TransferResult.COPY_FAILED
+        assert other.last_error == f"COPY_FAILED: {os.strerror(errno.EFAULT)}"
+    finally:
+        other.close()
+        owner.close()
+
+
+def test_a_socket_is_held_only_by_a_process_listing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fd that closes while the table is scanned is skipped, not the end of the scan; a
+    process whose fd table cannot be listed holds nothing."""
+    links = {"/proc/42/fd/3": OSError("closed meanwhile"), "/proc/42/fd/4": "socket:[77]"}
+
+    def readlink(path: str) -> str:
+        got = links[path]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def listdir(path: str) -> list[str]:
+        if path != "/proc/42/fd":
+            raise PermissionError(path)
+        return ["3", "4"]
+
+    monkeypatch.setattr(host_mod.os, "readlink", readlink)
+    monkeypatch.setattr(host_mod.os, "listdir", listdir)
+    assert host_mod._holds_socket(42, 77)
+    assert not host_mod._holds_socket(42, 78)
+    assert not host_mod._holds_socket(43, 77)  # its fd table is not ours to see
