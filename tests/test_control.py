@@ -1867,3 +1867,58 @@ def test_workers_close_their_own_context_and_leave_a_shared_one_open(
     shared.term()
     closed += [w for _ in range(3) for w in cycle(None)]
     assert open_fds() == before and len(closed) == 8
+
+
+def test_decode_logs_and_traces_every_dropped_or_refused_frame(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A message with bad framing is dropped, a frame the core refuses (ProtocolError) is
+    rejected; both are counted, each kind is logged once per interval saying why, the trace
+    keeps every frame received and sent with its direction and each dropped message with
+    its error, and the reader goes on serving."""
+    from sfa_rd2h.spec.errors import ProtocolError
+
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+
+    class Refusing(DecodeCore):
+        def on_frame(self, peer: str, payload: bytes, now: float) -> list[Any]:
+            if payload == b"refuse me":
+                raise ProtocolError("T9: refused by the core")
+            return super().on_frame(peer, payload, now)
+
+    tracer = Tracer(tmp_path / "d.jsonl", "d0", role="decode")
+    dw = DecodeWorker(Refusing(0, 1, d.layouts), de, 0, tracer=tracer)
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"p0")
+    peer = b"p0".hex()
+    try:
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            sock.send_multipart([b"one", b"two"])
+            sock.send(b"refuse me")
+            sock.send(b"refuse me")
+            sock.send(wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION)))
+            assert wire.decode_meta_reply(_recv(sock)).accepted  # FIFO: the others were handled
+        assert (dw.stats.bad_framing, dw.stats.rejected_frames) == (1, 2)
+        assert dw.stats.frames_received == 4
+        framing = "router frames: expected exactly one non-empty payload frame, got 2"
+        assert caplog.messages == [f"decode rank 0: dropped a message: {framing}",
+                                   f"decode rank 0: rejected frame from {peer}: "
+                                   "T9: refused by the core"]
+    finally:
+        sock.close()
+        dw.close()
+        ctx.term()
+        tracer.close()
+    records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    seen = [{k: v for k, v in r.items() if k != "t"} for r in records
+            if r["k"] in ("msg", "info")]
+    assert seen == [
+        {"k": "info", "endpoint": dw.endpoint},
+        {"k": "info", "event": "bad_framing", "error": framing},
+        {"k": "msg", "dir": "recv", "peer": peer, "kind": "malformed"},
+        {"k": "msg", "dir": "recv", "peer": peer, "kind": "malformed"},
+        {"k": "msg", "dir": "recv", "peer": peer, "kind": "mf_meta"},
+        {"k": "msg", "dir": "send", "peer": peer, "kind": "mf_meta_ack"},
+    ]
