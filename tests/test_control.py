@@ -1922,3 +1922,39 @@ def test_decode_logs_and_traces_every_dropped_or_refused_frame(
         {"k": "msg", "dir": "recv", "peer": peer, "kind": "mf_meta"},
         {"k": "msg", "dir": "send", "peer": peer, "kind": "mf_meta_ack"},
     ]
+
+
+def test_idle_workers_sleep_instead_of_spinning(engines: tuple[HostEngine, HostEngine]) -> None:
+    """After handling a wake-up, an idle worker's I/O thread blocks in its poll: over a
+    quiet 0.3 s it reads its clock a handful of times at most, not once per spin of a busy
+    loop (which would burn a core on every rank)."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    reads = {"prefill": 0, "decode": 0}
+
+    def counting(role: str) -> Any:
+        def clock() -> float:
+            reads[role] += 1
+            return time.monotonic()
+        return clock
+
+    pw = PrefillWorker(p.core(), clock=counting("prefill"))
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, clock=counting("decode"))
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"idle-peer")  # a connected peer: the ROUTER is writable
+    try:
+        sock.send(wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION)))
+        assert wire.decode_meta_reply(_recv(sock)).accepted
+        dw.register_request("r", [1], [1])  # rings the reader's wake-up
+        pw.begin_layer(0)
+        pw.layer_written(0, None)  # rings the sender's wake-up; no reader: the slot frees
+        pw.drain(WAIT)
+        reads.update(prefill=0, decode=0)
+        threading.Event().wait(0.3)  # a quiet interval: nothing to await, only to observe
+        assert reads["prefill"] < 10 and reads["decode"] < 10, reads
+    finally:
+        sock.close()
+        pw.close()
+        dw.close()
+        ctx.term()
