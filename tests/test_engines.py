@@ -2372,3 +2372,45 @@ def test_a_socket_is_held_only_by_a_process_listing_it(monkeypatch: pytest.Monke
     assert host_mod._holds_socket(42, 77)
     assert not host_mod._holds_socket(42, 78)
     assert not host_mod._holds_socket(43, 77)  # its fd table is not ours to see
+
+
+@pytest.mark.parametrize("count", [3, 20], ids=["python-ints", "arrays"])
+def test_where_the_syscall_is_filtered_own_memory_is_copied_by_memmove(
+        monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """When seccomp filters process_vm_readv even for our own pid, reads from this process
+    (shm mode, or a peer in this process) still land every byte, without the syscall."""
+    owner, other, src, addr = _serving_pair()
+    syscalls = _record_syscalls(monkeypatch)
+    monkeypatch.setattr(host_mod, "_self_copy_works", lambda: False)
+    try:
+        dst, base = _dest(other, 256 * count)
+        local = [base + 256 * i for i in range(count)]
+        peer = [addr + 100 * i for i in range(count)]
+        sizes = [64 + i for i in range(count)]
+        assert other.batch_transfer_sync_read(owner.session_id, local, peer, sizes) == 0, (
+            other.last_error)
+        want = np.full_like(dst, SENTINEL)
+        for i in range(count):
+            want[256 * i:256 * i + sizes[i]] = src[100 * i:100 * i + sizes[i]]
+        np.testing.assert_array_equal(dst, want)
+        assert syscalls == []
+    finally:
+        other.close()
+        owner.close()
+
+
+@pytest.mark.parametrize("count", [2, 20], ids=["python-ints", "arrays"])
+def test_a_copy_that_moves_nothing_is_a_short_read(
+        monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    owner, other, src, addr = _serving_pair()
+    try:
+        dst, base = _dest(other, 128 * count)
+        monkeypatch.setattr(host_mod, "_readv", lambda *a: (0, 0))
+        ret = other.batch_transfer_sync_read(owner.session_id,
+                                             [base + 128 * i for i in range(count)],
+                                             [addr + 64 * i for i in range(count)], [64] * count)
+        assert ret == TransferResult.COPY_FAILED
+        assert other.last_error == f"COPY_FAILED: short read: 0 of {64 * count} bytes"
+    finally:
+        other.close()
+        owner.close()
