@@ -502,3 +502,51 @@ def test_a_prefill_that_stops_reading_loses_its_replies_but_blocks_no_one(
         other.close()
         dw.close()
         ctx.term()
+
+
+def test_close_gives_replies_a_stuck_prefill_never_takes_only_the_linger_period(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """Replies still queued at close go out for ``linger_ms`` and are then dropped: a
+    Prefill that stopped reading (its socket buffers full of READ_FAILEDs carrying a
+    transfer engine's long error) cannot hold up the close of a rank that owns its ZMQ
+    context, which terminates that context."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    n = 200  # replies of ~60 KB each: far more than the socket buffers hold
+    answered = threading.Semaphore(0)
+
+    class Failing:
+        def batch_transfer_sync_read(self, *args: Any) -> int:
+            raise RuntimeError("x" * 60000)
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Failing(), 0,  # type: ignore[arg-type]
+                      linger_ms=100, on_ready=lambda a: answered.release())  # own context
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(f"tcp://127.0.0.1:{dw.port}")
+    closed = threading.Event()
+    try:
+        _handshake(sock, pe.session_id, p.layers)
+        for i in range(n):
+            ext = f"r{i}"
+            dw.register_request(ext, [1], [1])
+            sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq(ext, (1,), (1,)),),
+                                                      (ext,))))
+        for _ in range(n):  # each READ_FAILED was handed to ZMQ before its on_ready
+            assert answered.acquire(timeout=WAIT)
+
+        def close() -> None:
+            dw.close()
+            closed.set()
+
+        threading.Thread(target=close, daemon=True).start()
+        assert closed.wait(3.0), "close waited for replies the peer never takes"
+    finally:
+        sock.close()  # lets a close that waited on it finish
+        if not closed.wait(WAIT):
+            dw.close()
+        ctx.term()
