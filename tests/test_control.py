@@ -1958,3 +1958,62 @@ def test_idle_workers_sleep_instead_of_spinning(engines: tuple[HostEngine, HostE
         pw.close()
         dw.close()
         ctx.term()
+
+
+def test_a_reply_to_a_vanished_prefill_is_counted_and_forgets_its_connection(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """The Prefill connection is gone by the time its READYs are answered (they waited for
+    their destinations): each reply is counted as undeliverable, the first is logged, and
+    the core forgets the connection's MF_META (a returning peer must send it again, W1)."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    held: list[str] = []
+    answered: list[Any] = []
+    cond = threading.Condition()
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "awaiting_destinations":
+            with cond:
+                held.append(key)
+                cond.notify_all()
+
+    def on_ready(a: Any) -> None:  # a request's outcome comes right after its reply
+        with cond:
+            answered.append(a)
+            cond.notify_all()
+
+    core = DecodeCore(0, 1, d.layouts, observer=observe)
+    dw = DecodeWorker(core, de, 0, on_ready=on_ready)
+    ctx = zmq.Context()
+    gone, other = _dealer(ctx, dw.port, b"gone"), _dealer(ctx, dw.port, b"other")
+    meta = wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION))
+    try:
+        gone.send(meta)
+        assert wire.decode_meta_reply(_recv(gone)).accepted
+        for ext in ("late1", "late2"):
+            gone.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq(ext, (3,), (4,)),),
+                                                      (ext,))))
+        with cond:
+            assert cond.wait_for(lambda: len(held) == 2, WAIT)
+        gone.close()
+        # A round trip on another connection, begun after the close: by its reply the ROUTER
+        # has seen the first connection end.
+        other.send(meta)
+        assert wire.decode_meta_reply(_recv(other)).accepted
+        assert b"gone".hex() in core.connections
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            dw.register_request("late1", [7], [8])
+            dw.register_request("late2", [9], [10])
+            with cond:
+                assert cond.wait_for(lambda: len(answered) == 2, WAIT)
+        # The second reply (READ_FAILED: its connection lost its MF_META) is undeliverable too.
+        assert (dw.stats.undeliverable, dw.stats.frames_sent) == (2, 2)
+        assert caplog.messages == [f"decode rank 0: reply to {b'gone'.hex()} undeliverable: "
+                                   "Host unreachable"]
+        assert list(core.connections) == [b"other".hex()]
+    finally:
+        gone.close()
+        other.close()
+        dw.close()
+        ctx.term()
