@@ -16,7 +16,7 @@ import pytest
 import zmq
 from test_control import WAIT, _dealer, _recv, make_decode, make_prefill
 
-from sfa_rd2h.runtime.control import BindError, CurveSecurity, DecodeWorker
+from sfa_rd2h.runtime.control import BindError, ControlPlaneError, CurveSecurity, DecodeWorker
 from sfa_rd2h.runtime.engines.host import HostEngine
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError, WireError
@@ -550,3 +550,43 @@ def test_close_gives_replies_a_stuck_prefill_never_takes_only_the_linger_period(
         if not closed.wait(WAIT):
             dw.close()
         ctx.term()
+
+
+def test_close_of_a_stuck_reader_gives_up_after_its_own_timeout(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """close(timeout) is bounded by ``timeout`` (at least 0.1 s for the reader), counted
+    from the call: a reader stuck in a callback is reported while it is still stuck, not
+    waited for."""
+    _, de = engines
+    d = make_decode(de, 1)
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(a: Any) -> None:
+        entered.set()
+        assert release.wait(WAIT)
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts, request_deadline=0.05), de, 0,
+                      on_ready=stuck)
+    out: list[BaseException | None] = []
+    stuck_when_closed: list[bool] = []
+
+    def close() -> None:
+        try:
+            dw.close(0.05)
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+        stuck_when_closed.append(not release.is_set())
+
+    dw.register_request("r", [1], [1])
+    assert entered.wait(WAIT)
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(3.0)
+    release.set()
+    closer.join(WAIT)
+    dw.close()
+    assert stuck_when_closed == [True]
+    [exc] = out
+    assert isinstance(exc, ControlPlaneError)
+    assert str(exc) == "decode 0 reader thread did not stop within 0.1s"
