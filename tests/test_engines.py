@@ -2325,6 +2325,8 @@ def test_the_registry_socket_is_found_in_the_table_of_its_family(
     assert host_mod._server_socket_inode(v4) == 444  # type: ignore[arg-type]
     _fake_files(monkeypatch, {"/proc/net/tcp": head + row4.format(cli4, serv4, 111)})
     assert host_mod._server_socket_inode(v4) is None  # type: ignore[arg-type]
+    _fake_files(monkeypatch, {"/proc/net/tcp": ""})  # not even a header
+    assert host_mod._server_socket_inode(v4) is None  # type: ignore[arg-type]
     _fake_files(monkeypatch, {})
     assert host_mod._server_socket_inode(v4) is None  # type: ignore[arg-type]
 
