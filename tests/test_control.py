@@ -2017,3 +2017,51 @@ def test_a_reply_to_a_vanished_prefill_is_counted_and_forgets_its_connection(
         other.close()
         dw.close()
         ctx.term()
+
+
+def test_decodes_that_never_answer_are_each_given_up_counted_and_named(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """S5: two Decodes acknowledge MF_META and never answer the READY; after the reply
+    timeout the core gives up on each: every loss is counted and logged with its reason,
+    and each connection is closed as lost in the trace."""
+    pe, _ = engines
+    failed = threading.Event()
+    tracer = Tracer(tmp_path / "p.jsonl", "p0", role="prefill")
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "failed":
+            failed.set()
+
+    p = make_prefill(pe, 1, 1)
+    p.tracer = observe  # type: ignore[assignment]
+    ctx = zmq.Context()
+    (a, port_a), (b, port_b) = _raw_decode(ctx), _raw_decode(ctx)
+    pw = PrefillWorker(p.core(reply_timeout=0.3), tracer=tracer)
+    try:
+        pw.add_request("ra", params(port_a), [1], [1])
+        pw.add_request("rb", params(port_b), [2], [2])
+        pw.schedule_chunk("ra", 4, True)
+        pw.schedule_chunk("rb", 4, True)
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            run_layers(pw, p, 1, [1, 2], [1, 2], 1)
+            for router in (a, b):
+                ident, meta = _take(router)
+                router.send_multipart([ident, wire.encode(wire.MfMetaAck(True, 1))])
+                assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+            assert failed.wait(WAIT)
+            pw.close()  # the sender has executed what the timeout produced
+        assert pw.stats.peers_lost == 2
+        assert sorted(caplog.messages) == sorted(
+            f"prefill rank 0: 127.0.0.1:{port}: no reply within 0.3s"
+            for port in (port_a, port_b))
+    finally:
+        pw.close()
+        a.close()
+        b.close()
+        ctx.term()
+        tracer.close()
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    events = sorted((r["peer"], r["ev"]) for r in records if r["k"] == "conn")
+    assert events == sorted((f"127.0.0.1:{port}", ev) for port in (port_a, port_b)
+                            for ev in ("open", "lost"))
