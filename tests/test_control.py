@@ -7,6 +7,7 @@ ZMQ poll, each with a timeout that only bounds a failure."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -2065,3 +2066,40 @@ def test_decodes_that_never_answer_are_each_given_up_counted_and_named(
     events = sorted((r["peer"], r["ev"]) for r in records if r["k"] == "conn")
     assert events == sorted((f"127.0.0.1:{port}", ev) for port in (port_a, port_b)
                             for ev in ("open", "lost"))
+
+
+@contextlib.contextmanager
+def _landed_or_failed() -> Iterator[None]:
+    try:
+        yield
+    except ControlPlaneError:
+        pass
+
+
+def test_a_core_action_the_sender_cannot_run_stops_it_by_name(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """The sender runs only Send and Disconnect; anything else from the core is a bug that
+    stops the sender, and callers are told which action it was."""
+    from sfa_rd2h.statemachines.cores.actions import RequestReady
+
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+
+    class Foreign(PrefillCore):
+        def layer_landed(self, layer_idx: int, now: float) -> list[Any]:
+            return [*super().layer_landed(layer_idx, now), RequestReady("r", True)]
+
+    core = Foreign(0, tp_mapping(1, 1), pe.session_id, p.layers, block_size=BLOCK)
+    pw = PrefillWorker(core)
+    try:
+        pw.begin_layer(0)
+        pw.layer_written(0, None)
+        with _landed_or_failed():
+            pw.drain(WAIT)  # returns once the layer landed, or raises if the failure came first
+        pw.close()  # joins the sender, which fails right after landing the layer
+        with pytest.raises(ControlPlaneError) as info:
+            pw.begin_layer(0)
+        assert str(info.value) == ("prefill 0 sender thread failed: "
+                                   "ControlPlaneError('Prefill core returned RequestReady')")
+    finally:
+        pw.close()
