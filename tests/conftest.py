@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +79,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     width = max(len(name) for name, _ in rows)
     for name, outcome in sorted(rows):
         terminalreporter.write_line(f"{name:<{width}}  {outcome}")
+
+
+@pytest.fixture
+def engines() -> Iterator[Any]:
+    """Two initialised host engines, Prefill's and Decode's (the control-plane tests)."""
+    from sfa_rd2h.runtime.engines.host import HostEngine
+
+    pe, de = HostEngine(), HostEngine()
+    pe.initialize()
+    de.initialize()
+    yield pe, de
+    pe.close()
+    de.close()

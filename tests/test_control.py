@@ -95,16 +95,6 @@ class Decode:
             assert (got == _pattern(req, layer, t)).all(), f"layer {layer} tensor {t}"
 
 
-@pytest.fixture
-def engines() -> Iterator[tuple[HostEngine, HostEngine]]:
-    pe, de = HostEngine(), HostEngine()
-    pe.initialize()
-    de.initialize()
-    yield pe, de
-    pe.close()
-    de.close()
-
-
 def make_prefill(engine: HostEngine, n_layers: int, n_slots: int,
                  tracer: Tracer | None = None) -> Prefill:
     slots = [[np.zeros((NB, n), np.uint8) for n in TB] for _ in range(n_slots)]
@@ -124,6 +114,18 @@ def make_decode(engine: HostEngine, n_layers: int, tracer: Tracer | None = None)
     layouts = {f"l{i}": DestLayout(tuple(a.ctypes.data for a in dest[i]), TB, (NB,) * 3, 2,
                                    True, False) for i in range(n_layers)}
     return Decode(engine, dest, layouts, tracer)
+
+
+def _watch_gate_failures(p: Prefill) -> threading.Event:
+    """An Event set when any of the Prefill core's slot gates fails (its only observer)."""
+    failed = threading.Event()
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "failed":
+            failed.set()
+
+    p.tracer = observe  # type: ignore[assignment]
+    return failed
 
 
 def params(port: int) -> dict[str, Any]:
@@ -1371,14 +1373,8 @@ def test_every_lost_decode_is_counted_and_named(
     """S5 with two Decodes reading one layer: both vanish; each loss is counted and logged,
     and the slot fails once both readers are accounted for, naming the first loss."""
     pe, _ = engines
-    failed = threading.Event()
-
-    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
-        if dst == "failed":
-            failed.set()
-
     p = make_prefill(pe, 1, 1)
-    p.tracer = observe  # type: ignore[assignment]
+    failed = _watch_gate_failures(p)
     ctx = zmq.Context()
     (a, port_a), (b, port_b) = _raw_decode(ctx), _raw_decode(ctx)
     pw = PrefillWorker(p.core())
@@ -2027,15 +2023,9 @@ def test_decodes_that_never_answer_are_each_given_up_counted_and_named(
     timeout the core gives up on each: every loss is counted and logged with its reason,
     and each connection is closed as lost in the trace."""
     pe, _ = engines
-    failed = threading.Event()
     tracer = Tracer(tmp_path / "p.jsonl", "p0", role="prefill")
-
-    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
-        if dst == "failed":
-            failed.set()
-
     p = make_prefill(pe, 1, 1)
-    p.tracer = observe  # type: ignore[assignment]
+    failed = _watch_gate_failures(p)
     ctx = zmq.Context()
     (a, port_a), (b, port_b) = _raw_decode(ctx), _raw_decode(ctx)
     pw = PrefillWorker(p.core(reply_timeout=0.3), tracer=tracer)

@@ -8,7 +8,6 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +21,6 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError, WireError
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.trace import Tracer
-
-
-@pytest.fixture
-def engines() -> Iterator[tuple[HostEngine, HostEngine]]:
-    pe, de = HostEngine(), HostEngine()
-    pe.initialize()
-    de.initialize()
-    yield pe, de
-    pe.close()
-    de.close()
 
 
 class SteppedClock:

@@ -1038,6 +1038,18 @@ def test_mooncake_wrapper_reports_a_library_that_cannot_start() -> None:
     assert eng.last_error == "CLOSED: Mooncake engine is not initialised"
 
 
+def _assert_withdrawn_through_the_library(eng: Any, fake: Any, at: int, nbytes: int) -> None:
+    """A withdrawal the library takes: asked for exactly that address, and the region is
+    gone (a second withdrawal is refused)."""
+    eng.register_memory(at, nbytes)
+    fake.answers["unregister_memory"] = 0
+    fake.calls.clear()
+    eng.unregister_memory(at)
+    assert fake.calls == [("unregister_memory", at)]
+    with pytest.raises(RegistrationError, match="no region is registered"):
+        eng.unregister_memory(at)
+
+
 def test_mooncake_wrapper_reads_and_registers_through_the_library() -> None:
     fake = _FakeMooncake()
     eng = _mooncake(fake)
@@ -1080,14 +1092,7 @@ def test_mooncake_wrapper_reads_and_registers_through_the_library() -> None:
     assert str(info.value) == f"Mooncake unregister_memory(0x{at:x}) returned -2"
     with pytest.raises(RegistrationError, match="no region is registered"):
         eng.unregister_memory(0x10)
-    # a withdrawal the library takes: asked for that address, and the region is gone
-    eng.register_memory(at, 64)
-    fake.answers["unregister_memory"] = 0
-    fake.calls.clear()
-    eng.unregister_memory(at)
-    assert fake.calls == [("unregister_memory", at)]
-    with pytest.raises(RegistrationError, match="no region is registered"):
-        eng.unregister_memory(at)
+    _assert_withdrawn_through_the_library(eng, fake, at, 64)
 
 
 def test_mooncake_wrapper_close_releases_every_region() -> None:
@@ -1222,13 +1227,7 @@ def test_memfabric_wrapper_reports_what_the_library_refused_and_why() -> None:
         with pytest.raises(RegistrationError) as info:
             eng.unregister_memory(at)
         assert str(info.value) == f"MemFabric unregister_memory(0x{at:x}) returned -4: no detail"
-        eng.register_memory(at, 128)
-        fake.answers["unregister_memory"] = 0
-        fake.calls.clear()
-        eng.unregister_memory(at)
-        assert fake.calls == [("unregister_memory", at)]
-        with pytest.raises(RegistrationError, match="no region is registered"):
-            eng.unregister_memory(at)
+        _assert_withdrawn_through_the_library(eng, fake, at, 128)
     finally:
         eng.close()
 
