@@ -96,10 +96,21 @@ DESELECTED = {
     "tests/test_control.py::test_a_slow_registry_stalls_only_its_own_peer":
         "waits out a registry that never answers (lanes, not codec or layout logic)",
 }
-# pytest-timeout per test under a mutant: a mutant may hang a wait. Unmutated, the selected
-# tests take under 5 s each (gloo's under 25 s); a mutant slowing one down past the bound is
+# pytest-timeout per test under a mutant: a mutant may hang a wait. Each test is bounded by
+# TIMEOUT_FACTOR times its unmutated duration (mutmut's stats), at least PER_TEST_FLOOR_S;
+# PER_TEST_TIMEOUT_S for a test the stats do not time. Unmutated, the selected tests take
+# under 5 s each (gloo's under 25 s under load); a mutant slowing one down past its bound is
 # counted as detected, which is what a user would see too.
 PER_TEST_TIMEOUT_S = 30
+PER_TEST_FLOOR_S = 10
+TIMEOUT_FACTOR = 5
+# mutmut's own bounds on a mutant's worker: wall time (estimate + constant) x multiplier,
+# CPU time twice that (the estimate: the unmutated durations of its selected tests). Its
+# defaults (1 s, x15) let a mutant spinning in a loop burn 30x its tests' time in CPU on a
+# 2-core machine, which was a third of a run's time; x4 still leaves a surviving mutant,
+# whose every test runs beside three other workers, four times its estimate.
+MUTMUT_TIMEOUT_CONSTANT_S = 2.0
+MUTMUT_TIMEOUT_MULTIPLIER = 4.0
 # The same bound for mutmut's stats and clean-suite passes, which run every selected test
 # unmutated: the spawned gloo ranks of test_tp_group take 20 s alone and over 60 s beside
 # other load, and a timeout there stops the whole run.
@@ -197,7 +208,8 @@ def pytest_runtest_logreport(report):
 def pytest_collection_modifyitems(session, config, items):
     """Fastest tests first, so a mutant is usually killed by its cheapest test. Unmutated
     passes (stats, clean suite) get the looser bound: there a timeout is load, not a hang."""
-    if os.environ.get("MUTANT_UNDER_TEST") in ("stats", ""):
+    unmutated = os.environ.get("MUTANT_UNDER_TEST") in ("stats", "")
+    if unmutated:
         for item in items:
             item.add_marker(pytest.mark.timeout({clean_timeout}))
     try:
@@ -205,6 +217,11 @@ def pytest_collection_modifyitems(session, config, items):
     except (OSError, ValueError, KeyError):
         return
     items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
+    if not unmutated:
+        for item in items:
+            if item.nodeid in durations:
+                bound = max({floor}, {factor} * durations[item.nodeid])
+                item.add_marker(pytest.mark.timeout(round(bound, 1)))
 '''
 
 
@@ -249,6 +266,8 @@ def mutmut_config(files: Sequence[str], tests: Sequence[str]) -> str:
         f'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "sfa_rd2h_mutation_plugin", '
         f'"--timeout={PER_TEST_TIMEOUT_S}"]\n'
         'process_isolation = "forkserver"\n'
+        f"timeout_constant = {MUTMUT_TIMEOUT_CONSTANT_S}\n"
+        f"timeout_multiplier = {MUTMUT_TIMEOUT_MULTIPLIER}\n"
         "use_git_change_detection = false\n"
     )
 
@@ -273,7 +292,8 @@ def stage(root: Path, stage_dir: Path, files: Sequence[str], tests: Sequence[str
     _write_if_changed(hooks / "sitecustomize.py", _SITECUSTOMIZE.format(hits_env=HITS_ENV))
     _write_if_changed(hooks / "sfa_rd2h_mutation_plugin.py",
                       _PLUGIN.format(hits_env=HITS_ENV, failures_env=FAILURES_ENV,
-                                     clean_timeout=CLEAN_TEST_TIMEOUT_S))
+                                     clean_timeout=CLEAN_TEST_TIMEOUT_S,
+                                     floor=PER_TEST_FLOOR_S, factor=TIMEOUT_FACTOR))
     (stage_dir / "mutants").mkdir(parents=True, exist_ok=True)  # on PYTHONPATH from the start
     _refresh_unmutated(pkg, stage_dir / "mutants" / PACKAGE, {f"{PACKAGE}/{f}" for f in files})
     _forget_stats_unless_covering(stage_dir, files, _tests_digest(stage_dir, tests))
