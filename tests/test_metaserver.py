@@ -1283,3 +1283,102 @@ def test_proxies_with_default_settings_run_side_by_side_and_take_the_token_from_
         assert _raw(guarded.url, "GET", "/v1/health",
                     headers={"Authorization": "Bearer env-t0k"})[0] == 200
         assert _raw(open_.url, "GET", "/v1/health") == (200, {"status": "ok"})
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "payload"), [
+    ("GET", "/v1/health", None, 200, {"status": "ok"}),
+    ("GET", "/v1/nothing?job=j", None, 404, {"error": "no such endpoint: GET /v1/nothing"}),
+    ("POST", "/v1/finished", b"[]", 400, {"error": "body: expected a JSON object, got list"}),
+])
+def test_every_reply_is_json_labelled_with_its_exact_length(
+        proxy: ProxyServer, method: str, path: str, body: bytes | None, status: int,
+        payload: Any) -> None:
+    """A client learns what it got from the headers: the body is JSON and its length is
+    known before it is read (so a short read is a truncated answer, not the end of one).
+    An unknown path is named without its query string."""
+    parts = urllib.parse.urlsplit(proxy.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WAIT)
+    try:
+        conn.request(method, path, body=body)
+        resp = conn.getresponse()
+        raw = resp.read()
+        assert (resp.status, json.loads(raw)) == (status, payload)
+        assert resp.getheader("Content-Type") == "application/json"
+        assert resp.getheader("Content-Length") == str(len(raw))
+    finally:
+        conn.close()
+
+
+def test_a_blank_timeout_is_refused_not_taken_as_no_wait(proxy: ProxyServer) -> None:
+    """``timeout=`` is a bad value, answered 400 like any other; it does not fall back to
+    the default of answering at once, and the refused poll takes no work."""
+    proxy.submit("a", "d0", "p0", job_id="j")
+    for role, instance in (("decode", "d0"), ("prefill", "p0")):
+        assert _raw(proxy.url, "GET", f"/v1/{role}_work?instance={instance}&timeout=") == (
+            400, {"error": "query parameter 'timeout': not a number: ''"})
+    assert [i["request_id"] for i in fetch_work(proxy.url, "decode", "d0", timeout=0)] == [
+        "j-0"]
+
+
+def test_a_refused_request_gets_401_and_nothing_after_it_on_its_connection_is_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the token a request is answered 401 with what to send, and its connection
+    is closed: neither its body, left unread, nor a request pipelined after it is taken
+    as a request of its own."""
+    monkeypatch.delenv("SFA_RD2H_METASERVER_TOKEN", raising=False)
+    refusal = {"error": "a valid 'Authorization: Bearer <token>' is required"}
+    with ProxyServer(auth_token="s3cret") as proxy:
+        assert _raw(proxy.url, "GET", "/v1/health",
+                    headers={"Authorization": "Bearer wrong"}) == (401, refusal)
+        body = json.dumps(_rdv("r-0").to_json()).encode()
+        parts = urllib.parse.urlsplit(proxy.url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=WAIT) as s:
+            s.sendall(b"POST /v1/metaserver HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                      b"\r\n%s" % (len(body), body)
+                      + b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := s.recv(65536):  # until the proxy closes the connection
+                answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 401 ")
+    assert rest == json.dumps(refusal).encode()  # one answer, and nothing after it
+
+
+def test_a_long_poll_waiting_when_the_proxy_closes_is_answered_503(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() wakes a waiting long poll, which answers 503 with the reason, so a Decode
+    or Prefill rank can tell a proxy going away from a lost connection. (close() cuts its
+    clients right after waking them; here the cut waits for the answer to be read, so the
+    answer is what is checked, not who wins that race.)"""
+    proxy = _DecodePollWatch(max_poll_s=30.0)
+    proxy.start()
+    server = proxy._server
+    assert server is not None
+    answered = threading.Event()
+    cut = server.abort_clients
+
+    def cut_once_answered() -> None:
+        answered.wait(WAIT)
+        cut()
+
+    monkeypatch.setattr(server, "abort_clients", cut_once_answered)
+    parts = urllib.parse.urlsplit(proxy.url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WAIT)
+    closer = threading.Thread(target=proxy.close)
+    try:
+        conn.request("GET", "/v1/decode_work?instance=d0&timeout=20")
+        assert proxy.waiting.acquire(timeout=WAIT)  # the poll waits now
+        closer.start()
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())) == (
+            503, {"error": "metaserver is shutting down"})
+    finally:
+        answered.set()
+        conn.close()
+        if closer.ident is not None:
+            closer.join(WAIT)
+        proxy.close()
+    assert not closer.is_alive()
