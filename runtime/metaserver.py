@@ -299,16 +299,23 @@ def _call(url: str, body: Mapping[str, Any] | None, timeout: float,
         headers=_auth_headers(token),
     )
     try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            raw = exc.read()
         try:
-            message = str(json.loads(raw)["error"])
-        except (ValueError, KeyError, TypeError):
-            message = raw[:200].decode("utf-8", "replace")
-        raise ProxyRequestError(url, exc.code, message) from None
+            with _OPENER.open(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raw = exc.read()
+            try:
+                message = str(json.loads(raw)["error"])
+            except (ValueError, KeyError, TypeError):
+                message = raw[:200].decode("utf-8", "replace")
+            raise ProxyRequestError(url, exc.code, message) from None
+    except http.client.HTTPException as exc:
+        if isinstance(exc, OSError):
+            raise  # RemoteDisconnected is already a ConnectionResetError
+        # An answer cut off mid-body (IncompleteRead: a proxy closing, a dying peer) is a
+        # transport failure like a refused connection; callers handle OSError, not this.
+        raise ConnectionError(f"{url}: answer cut off: {exc!r}") from exc
 
 
 def fetch_work(
@@ -682,7 +689,9 @@ class ProxyServer:
             if self._closing:
                 return
             self._closing = True
-            self._cond.notify_all()  # long polls return 503 now
+            # long polls answer 503 now, unless abort_clients below cuts them first: a
+            # client sees a 503 or a closed connection, never a hang
+            self._cond.notify_all()
         server, thread = self._server, self._thread
         if server is None or thread is None:
             return

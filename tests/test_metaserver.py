@@ -962,6 +962,22 @@ def test_fetch_work_gives_up_at_its_wait_plus_the_response_slack(
                        timeout=0.1)
 
 
+@pytest.mark.parametrize("status", [b"200 OK", b"503 Busy"])
+def test_an_answer_cut_off_mid_body_is_a_connection_error(status: bytes) -> None:
+    """A proxy that closes while answering (its close() cuts long polls) leaves a body
+    shorter than its Content-Length: the client raises ConnectionError, an OSError its
+    callers already handle, not http.client.IncompleteRead, which nothing catches."""
+    server = _OneShotServer(b"HTTP/1.0 %s\r\nContent-Length: 40\r\n\r\n[{\"job" % status)
+    try:
+        with pytest.raises(ConnectionError) as info:
+            fetch_work(server.url, "decode", "d", timeout=0.1)
+    finally:
+        server.close()
+    assert str(info.value).startswith(f"{server.url}/v1/decode_work?instance=d&timeout=0.1: "
+                                      "answer cut off: IncompleteRead(")
+    assert isinstance(info.value.__cause__, http.client.IncompleteRead)
+
+
 @pytest.mark.parametrize(("reply", "message"), [
     (b'{"error": "no such job"}', "no such job"),
     (b"\xff" + b"x" * 300, "\ufffd" + "x" * 199),  # not JSON: its first 200 bytes, as text
