@@ -821,8 +821,9 @@ def test_curve_lets_only_authorised_prefills_reach_decode(
         loop.close()
         dw.close()
         ctx.term()
-    with pytest.raises(ControlPlaneError, match="server_public"):
+    with pytest.raises(ControlPlaneError) as info:
         PrefillWorker(p.core(), curve=client)
+    assert str(info.value) == "CURVE on Prefill needs the Decode public key (server_public)"
 
 
 # --------------------------------------------------------------------------- test strength
@@ -1075,18 +1076,21 @@ def test_prefill_counts_what_decode_answered_and_refuses_bad_replies(
             assert router.poll(int(WAIT * 1000))
             _, ready = [f for f in router.recv_multipart() if f]
             assert isinstance(wire.decode(ready), wire.ReadReadyBatch)
-            router.send_multipart([ident, b"\xc1 not msgpack"])
             router.send_multipart([ident, b"one", b"two"])
+            router.send_multipart([ident, b"\xc1 not msgpack"])
+            router.send_multipart([ident, b"\xc1 again"])
             assert pw.layer_settled(0) is False
             router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
             pw.wait_for_layer_send(0, WAIT)
-        assert pw.stats.frames_sent == 2 and pw.stats.frames_received == 4
-        assert pw.stats.rejected_frames == 2
+        assert pw.stats.frames_sent == 2 and pw.stats.frames_received == 5
+        assert pw.stats.rejected_frames == 3  # every bad reply counts, whatever came before
         assert len(pw.round_trips()) == 1 and list(pw.stats.rtt_by_layer) == [0]
         assert list(pw.stats.rtt_by_layer[0]) == pw.round_trips()
-        warned = " | ".join(caplog.messages)
-        assert f"prefill rank 0: rejected frame from 127.0.0.1:{port}: " in warned
-        assert f"prefill rank 0: 2 non-empty frames from 127.0.0.1:{port}, expected 1" in warned
+        # one warning per kind (the second undecodable reply is throttled), each whole
+        assert caplog.messages == [
+            f"prefill rank 0: 2 non-empty frames from 127.0.0.1:{port}, expected 1",
+            f"prefill rank 0: rejected frame from 127.0.0.1:{port}: "
+            "not valid msgpack: reserved or invalid format byte"]
     finally:
         pw.close()
         router.close()
@@ -2093,3 +2097,171 @@ def test_a_core_action_the_sender_cannot_run_stops_it_by_name(
                                    "ControlPlaneError('Prefill core returned RequestReady')")
     finally:
         pw.close()
+
+
+# --------------------------------------------------------------------------- the Prefill
+# sender, against a raw Decode: what its trace, stats, log and sockets show.
+
+
+def _handshake_raw(router: zmq.Socket) -> bytes:
+    """Play Decode: take the MF_META, accept it; the connection's identity."""
+    ident, meta = _take(router)
+    assert isinstance(meta, wire.MfMeta)
+    router.send_multipart([ident, wire.encode(wire.MfMetaAck(True, 1))])
+    return ident
+
+
+def test_prefill_traces_each_frame_and_connection_with_its_peer_and_identity(
+        engines: tuple[HostEngine, HostEngine], tmp_path: Path) -> None:
+    """The Prefill trace names, for every frame, its direction, the Decode endpoint and the
+    connection (the identity Decode sees), and records the connection's open and close:
+    what the validator joins with the Decode trace."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    tracer = Tracer(tmp_path / "p.jsonl", "p0", role="prefill")
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    pw = PrefillWorker(p.core(), tracer=tracer)
+    try:
+        pw.add_request("r", params(port), [1], [1])
+        pw.schedule_chunk("r", 4, True)
+        run_layers(pw, p, 1, [1], [1], 1)
+        ident = _handshake_raw(router)
+        assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+        router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+        pw.wait_for_layer_send(0, WAIT)
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
+        tracer.close()
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    peer, conn = f"127.0.0.1:{port}", ident.hex()
+    assert [{k: v for k, v in r.items() if k != "t"} for r in records
+            if r["k"] in ("msg", "conn")] == [
+        {"k": "conn", "ev": "open", "peer": peer, "conn": conn},
+        {"k": "msg", "dir": "send", "peer": peer, "kind": "mf_meta", "conn": conn},
+        {"k": "msg", "dir": "recv", "peer": peer, "kind": "mf_meta_ack", "conn": conn},
+        {"k": "msg", "dir": "send", "peer": peer, "kind": "read_ready_batch", "layer": 0,
+         "conn": conn},
+        {"k": "msg", "dir": "recv", "peer": peer, "kind": "read_done", "layer": 0,
+         "conn": conn},
+        {"k": "conn", "ev": "close", "peer": peer, "conn": conn},
+    ]
+
+
+def test_round_trips_count_only_replies_once_per_ready_and_stay_bounded_per_layer(
+        engines: tuple[HostEngine, HostEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round trip is READY sent -> its reply, measured once: a non-reply frame naming the
+    layer (rejected) is not one, nor is a duplicate reply (which must not stop the sender).
+    Each sample lies within the test's own elapsed time, and each layer keeps only its
+    latest samples (here the bound is 1) while the overall series keeps them all."""
+    from sfa_rd2h.runtime import control as control_mod
+
+    monkeypatch.setattr(control_mod, "RTT_SAMPLES_PER_LAYER", 1)
+    pe, _ = engines
+    p = make_prefill(pe, 2, 2)
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    pw = PrefillWorker(p.core())
+    t0 = time.monotonic()
+    try:
+        pw.add_request("r1", params(port), [1], [1])
+        pw.schedule_chunk("r1", 4, True)
+        run_layers(pw, p, 1, [1], [1], 2)
+        ident = _handshake_raw(router)
+        assert [_take(router)[1].layer_idx for _ in range(2)] == [0, 1]
+        not_a_reply = wire.encode(wire.ReadReadyBatch(1, "l1", (), ()))
+        router.send_multipart([ident, not_a_reply])
+        router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+        pw.wait_for_layer_send(0, WAIT)  # FIFO: the frame before it was handled too
+        assert pw.stats.rejected_frames == 1
+        assert len(pw.round_trips()) == 1 and list(pw.stats.rtt_by_layer) == [0]
+        router.send_multipart([ident, wire.encode(wire.ReadDone(0))])  # a duplicate
+        router.send_multipart([ident, wire.encode(wire.ReadDone(1))])
+        pw.wait_for_layer_send(1, WAIT)
+        assert len(pw.round_trips()) == 2
+        pw.add_request("r2", params(port), [2], [2])
+        pw.schedule_chunk("r2", 4, True)
+        run_layers(pw, p, 2, [2], [2], 2)
+        for layer in (0, 1):
+            assert _take(router)[1].layer_idx == layer
+            router.send_multipart([ident, wire.encode(wire.ReadDone(layer))])
+        assert pw.drain(WAIT) == []
+        elapsed = time.monotonic() - t0
+        rtts = pw.round_trips()
+        assert len(rtts) == 4 and all(0 <= rtt <= elapsed for rtt in rtts), (rtts, elapsed)
+        assert {layer: list(s) for layer, s in pw.stats.rtt_by_layer.items()} == {
+            0: [rtts[2]], 1: [rtts[3]]}
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
+
+
+def test_prefill_gives_up_on_a_silent_decode_when_the_clock_reaches_the_reply_deadline(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """S5 on a clock that moves only when the test moves it: the READY was sent at 100.0
+    with a 0.25 s reply timeout; once the clock reads exactly 100.25 (not later) the sender
+    gives the Decode up by itself, with no other traffic, and the slot fails saying why."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    failed = _watch_gate_failures(p)
+    now = [100.0]
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    pw = PrefillWorker(p.core(reply_timeout=0.25), clock=lambda: now[0])
+    try:
+        pw.add_request("r", params(port), [1], [1])
+        pw.schedule_chunk("r", 4, True)
+        run_layers(pw, p, 1, [1], [1], 1)
+        _handshake_raw(router)
+        assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+        now[0] = 100.25  # exactly the deadline
+        assert failed.wait(WAIT), "the reply deadline passed and the slot is still held"
+        assert pw.stats.peers_lost == 1
+        late = f"layer 0 via 127.0.0.1:{port}: S5: no reply within 0.25s"
+        with pytest.raises(LayerSendError) as info:
+            pw.wait_for_layer_send(0, WAIT)
+        assert str(info.value) == f"S4: layer 0 cannot be written: {late}; {late}"
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_decode_address_zmq_refuses_fails_its_readers_and_spares_the_other_decode(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """A request names a Decode host ZMQ cannot connect to (a space in it): the send to it
+    fails, is counted and logged once saying why, and fails that Decode's read of the slot
+    (S5); the other Decode of the same layer still gets its MF_META and READY, the sender
+    goes on, and the slot fails naming the bad address."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    pw = PrefillWorker(p.core())
+    bad = {**params(port), "remote_host": "decode 0"}
+    try:
+        pw.add_request("bad", bad, [1], [1])  # first: its send comes first
+        pw.add_request("good", params(port), [2], [2])
+        pw.schedule_chunk("bad", 4, True)
+        pw.schedule_chunk("good", 4, True)
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            run_layers(pw, p, 1, [1, 2], [1, 2], 1)
+            ident = _handshake_raw(router)
+            assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+            router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+            with pytest.raises(LayerSendError) as info:
+                pw.wait_for_layer_send(0, WAIT)
+        why = (f"send to decode 0:{port} failed: Invalid argument "
+               f"(addr='tcp://decode 0:{port}')")
+        assert caplog.messages == [f"prefill rank 0: {why}"]
+        assert pw.stats.peers_lost == 1 and pw.stats.frames_sent == 2
+        failed = f"layer 0 via decode 0:{port}: S5: {why}"
+        assert str(info.value) == f"S4: layer 0 cannot be written: {failed}; {failed}"
+        assert pw.drain(WAIT) == []  # the sender is alive and the slot free again
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
