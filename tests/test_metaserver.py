@@ -7,6 +7,7 @@ import http.client
 import inspect
 import json
 import logging
+import os
 import re
 import socket
 import struct
@@ -15,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from errno import ECONNRESET, EPIPE
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -1398,3 +1400,201 @@ def test_a_long_poll_waiting_when_the_proxy_closes_is_answered_503(
             closer.join(WAIT)
         proxy.close()
     assert not closer.is_alive()
+
+
+# --------------------------------------------------------------------------- connections
+
+
+def _connect(url: str) -> socket.socket:
+    parts = urllib.parse.urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=WAIT)
+
+
+def _until_eof(s: socket.socket) -> bytes:
+    """Everything the proxy sends on a connection until it closes it. A reset after the
+    close (the proxy left bytes of ours unread) ends it too; what came before is kept."""
+    answer = b""
+    try:
+        while chunk := s.recv(65536):
+            answer += chunk
+    except ConnectionResetError:
+        pass
+    return answer
+
+
+def _exchange(url: str, request: bytes) -> bytes:
+    """Send raw bytes on a connection of its own; return all the proxy answers on it."""
+    with _connect(url) as s:
+        s.sendall(request)
+        return _until_eof(s)
+
+
+_HEALTH = b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n"
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _Records(logging.Handler):
+    """Keeps the metaserver's log records as they are written; ``arrived`` is set by the
+    first at ``level`` or above, so a test can await a line a handler thread writes."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.level_awaited = level
+        self.records: list[logging.LogRecord] = []
+        self.arrived = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        if record.levelno >= self.level_awaited:
+            self.arrived.set()
+
+
+def test_exactly_max_handlers_clients_are_served_at_once_and_a_freed_slot_is_served_again(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """With ``max_handlers`` clients being served, the next is answered 503 at once and its
+    connection closed; as soon as one of them is answered, its slot serves new clients
+    again, one after the other. Refusing a client is no error worth a log line."""
+    caplog.set_level(logging.WARNING, logger=metaserver.__name__)
+    with _DecodePollWatch(max_handlers=2, max_poll_s=30.0) as proxy:
+        polls = [_connect(proxy.url) for _ in range(2)]
+        try:
+            for i, s in enumerate(polls):
+                s.sendall(b"GET /v1/decode_work?instance=d%d&timeout=20 HTTP/1.1\r\n"
+                          b"Host: x\r\n\r\n" % i)
+                assert proxy.waiting.acquire(timeout=WAIT)  # being served: its poll waits
+            assert _exchange(proxy.url, _HEALTH) == _BUSY
+            proxy.submit("a", "d0", "p0", job_id="j")  # answers the first poll
+            head, _, body = _until_eof(polls[0]).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 200 OK\r\n")
+            assert [item["request_id"] for item in json.loads(body)] == ["j-0"]
+            for _ in range(3):  # one slot is free again, and again once each is answered
+                head, _, body = _exchange(proxy.url, _HEALTH).partition(b"\r\n\r\n")
+                assert (head.split(b"\r\n")[0], body) == (b"HTTP/1.0 200 OK",
+                                                          b'{"status": "ok"}')
+            assert [r.getMessage() for r in caplog.records] == []
+        finally:
+            for s in polls:
+                s.close()
+
+
+def test_a_client_that_connects_while_close_runs_is_cut_not_served(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Once close() has cut the clients, the server may still accept one more before it
+    stops: that one is closed unanswered (no later sweep would cut it), quietly."""
+    caplog.set_level(logging.WARNING, logger=metaserver.__name__)
+    proxy = ProxyServer()
+    proxy.start()
+    server = proxy._server
+    assert server is not None
+    cut, release = threading.Event(), threading.Event()
+    stop = server.shutdown
+
+    def stop_once_released() -> None:  # close() runs this right after cutting the clients
+        cut.set()
+        release.wait(WAIT)
+        stop()
+
+    monkeypatch.setattr(server, "shutdown", stop_once_released)
+    closer = threading.Thread(target=proxy.close)
+    closer.start()
+    try:
+        assert cut.wait(WAIT)  # the clients are cut; the server still accepts
+        assert _exchange(proxy.url, _HEALTH) == b""
+    finally:
+        release.set()
+        closer.join(WAIT)
+    assert not closer.is_alive()
+    assert [r.getMessage() for r in caplog.records] == []
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_handler_bug_costs_its_request_a_500_naming_it_and_one_logged_traceback(
+        proxy: ProxyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        method: str) -> None:
+    """A bug in serving one request answers that request 500 with the exception's type and
+    text, and logs one error with its traceback naming the method and the path (query
+    included); the proxy goes on serving."""
+    caplog.set_level(logging.INFO, logger=metaserver.__name__)
+
+    def bug(*args: object) -> None:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(proxy, "_get" if method == "GET" else "_post", bug)
+    path = "/v1/health?probe=1" if method == "GET" else "/v1/finished?probe=1"
+    assert _raw(proxy.url, method, path, None if method == "GET" else b"{}") == (
+        500, {"error": "internal error: ValueError: boom"})
+    [record] = caplog.records
+    assert (record.levelno, record.getMessage()) == (
+        logging.ERROR, f"metaserver: internal error on {method} {path}")
+    assert record.exc_info is not None and record.exc_info[0] is ValueError
+    if method == "POST":
+        assert _raw(proxy.url, "GET", "/v1/health") == (200, {"status": "ok"})
+    else:
+        assert _raw(proxy.url, "POST", "/v1/nowhere", b"{}") == (
+            404, {"error": "no such endpoint: POST /v1/nowhere"})
+
+
+def test_a_client_that_stalls_mid_body_is_dropped_with_one_info_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that stops sending halfway through its body is dropped once its socket
+    read times out: its connection is closed unanswered, and the only log line is one
+    info naming the client and why; nothing more is read from it."""
+    monkeypatch.setattr(metaserver._Handler, "timeout", 0.2)
+    caplog.set_level(logging.DEBUG, logger=metaserver.__name__)
+    with ProxyServer() as proxy:
+        assert _exchange(proxy.url, b"POST /v1/finished HTTP/1.1\r\nHost: x\r\n"
+                                    b"Content-Length: 10\r\n\r\n{\"a") == b""
+        assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+            (logging.INFO, "metaserver: client 127.0.0.1 dropped: timed out")]
+
+
+def test_an_answer_whose_client_reset_the_connection_is_an_info_line() -> None:
+    """A long poll whose client reset its connection while it waited answers into the
+    reset: the answer is lost, which is one info line naming the client and the error."""
+    records = _Records(logging.INFO)
+    logger = logging.getLogger(metaserver.__name__)
+    logger.addHandler(records)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        with _DecodePollWatch(max_poll_s=30.0) as proxy:
+            with _connect(proxy.url) as s:
+                s.sendall(b"GET /v1/decode_work?instance=d0&timeout=0.5 HTTP/1.1\r\n"
+                          b"Host: x\r\n\r\n")
+                assert proxy.waiting.acquire(timeout=WAIT)  # the poll waits now
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            assert records.arrived.wait(WAIT)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    lost = [(r.levelno, r.getMessage()) for r in records.records if r.levelno >= logging.INFO]
+    assert lost in [[(logging.INFO, f"metaserver: reply to 127.0.0.1 lost: [Errno {e}] "
+                                    f"{os.strerror(e)}")] for e in (ECONNRESET, EPIPE)]
+
+
+@pytest.mark.parametrize(("request_line", "status_line", "content_type"), [
+    (b"GET /v1/health\r\n\r\n", b"HTTP/1.0 200 OK", b"application/json"),
+    (b"POST /v1/finished\r\n", b"HTTP/1.0 400 Bad HTTP/0.9 request type ('POST')",
+     b"text/html;charset=utf-8"),
+    (b"GARBAGE\r\n", b"HTTP/1.0 400 Bad request syntax ('GARBAGE')",
+     b"text/html;charset=utf-8"),
+    (b"GET /v1/health HTTP/2.0\r\n", b"HTTP/1.0 505 Invalid HTTP version (2.0)",
+     b"text/html;charset=utf-8"),
+])
+def test_a_request_without_an_http_1_version_gets_a_whole_http_1_0_answer(
+        proxy: ProxyServer, request_line: bytes, status_line: bytes,
+        content_type: bytes) -> None:
+    """http.server answers a request line with no version (HTTP/0.9) or one it cannot
+    parse with a bare body, no status line: a client could not tell an error from a
+    hang-up. The proxy answers it in HTTP/1.0, the status line giving the reason, with a
+    body of the length it announces, and closes the connection."""
+    head, _, body = _exchange(proxy.url, request_line).partition(b"\r\n\r\n")
+    first, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    assert first == status_line
+    assert (headers[b"Content-Type"], headers[b"Content-Length"]) == (
+        content_type, str(len(body)).encode())
+    if content_type == b"application/json":
+        assert json.loads(body) == {"status": "ok"}
+    else:
+        assert headers[b"Connection"] == b"close"
