@@ -1598,3 +1598,32 @@ def test_a_request_without_an_http_1_version_gets_a_whole_http_1_0_answer(
         assert json.loads(body) == {"status": "ok"}
     else:
         assert headers[b"Connection"] == b"close"
+
+
+def test_a_client_refused_as_busy_gets_its_whole_503_even_if_close_cuts_the_clients_then(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() cuts the clients being served; one refused as busy is not among them. Here
+    the cut comes at the worst moment, just as the serving thread writes the refusal: the
+    client being served is cut, the refused one still gets its whole 503."""
+    with _DecodePollWatch(max_handlers=1, max_poll_s=30.0) as proxy:
+        server, serving = proxy._server, proxy._thread
+        assert server is not None and serving is not None
+        accept = server.get_request
+
+        class _CutOnRefusal(socket.socket):
+            def sendall(self, data: Any, flags: int = 0) -> None:
+                if threading.current_thread() is serving:  # only a refusal is written there
+                    server.abort_clients()
+                super().sendall(data, flags)
+
+        def get_request() -> tuple[socket.socket, Any]:
+            sock, addr = accept()
+            return _CutOnRefusal(sock.family, sock.type, sock.proto, sock.detach()), addr
+
+        monkeypatch.setattr(server, "get_request", get_request)
+        with _connect(proxy.url) as held:
+            held.sendall(b"GET /v1/decode_work?instance=d0&timeout=20 HTTP/1.1\r\n"
+                         b"Host: x\r\n\r\n")
+            assert proxy.waiting.acquire(timeout=WAIT)  # being served: its poll waits
+            assert _exchange(proxy.url, _HEALTH) == _BUSY
+            assert _until_eof(held) == b""  # cut
