@@ -632,6 +632,9 @@ class ProxyServer:
         if max_body <= 0 or max_poll_s < 0 or max_handlers < 1 or request_deadline <= 0:
             raise ValueError("max_body, max_handlers and request_deadline must be > 0 and "
                              "max_poll_s >= 0")
+        if advertise_host is not None and not isinstance(advertise_host, str):
+            raise ValueError(f"advertise_host must be a host name (str), got "
+                             f"{type(advertise_host).__name__}")
         self.max_handlers = max_handlers
         self.request_deadline = request_deadline
         # Off unless given (or set in SFA_RD2H_METASERVER_TOKEN): every request must then
@@ -658,19 +661,26 @@ class ProxyServer:
         """Bind, start serving, and return the base URL (``http://host:port``)."""
         if self._server is not None or self._closing:
             raise RuntimeError("ProxyServer can be started once")
-        self._server = _Server(self._bind, self)
-        host, port = self._server.server_address[:2]
-        shown = self._advertise_host or str(host)
-        if ":" in shown:
-            shown = f"[{shown}]"
+        server = _Server(self._bind, self)
+        try:
+            host, port = server.server_address[:2]
+            shown = self._advertise_host or str(host)
+            if ":" in shown:
+                shown = f"[{shown}]"
+            thread = threading.Thread(
+                target=server.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name="metaserver-http",
+                daemon=True,
+            )
+            thread.start()
+        except BaseException:
+            # Nothing serves yet: release the port here, since close() would otherwise
+            # wait in shutdown() for a serve_forever that never ran.
+            server.server_close()
+            raise
+        self._server, self._thread = server, thread
         self._url = f"http://{shown}:{port}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="metaserver-http",
-            daemon=True,
-        )
-        self._thread.start()
         return self._url
 
     @property

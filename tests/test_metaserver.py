@@ -1289,6 +1289,39 @@ def test_proxy_settings_out_of_range_are_refused_and_their_limits_accepted() -> 
         1, 0.0, 1, 0.5)
 
 
+def test_an_advertise_host_that_is_not_a_string_is_refused_before_binding() -> None:
+    with pytest.raises(ValueError) as info:
+        ProxyServer(advertise_host=b"10.0.0.1")  # type: ignore[arg-type]
+    assert str(info.value) == "advertise_host must be a host name (str), got bytes"
+
+
+def test_a_start_that_fails_after_binding_releases_the_port_and_close_returns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serving thread cannot start (the process is out of threads): start() raises,
+    the port it bound is free again, and close() returns instead of waiting in shutdown()
+    for a serve_forever that never ran."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proxy = ProxyServer(port=port)
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        proxy.start()
+    monkeypatch.undo()
+    closer = threading.Thread(target=proxy.close)
+    closer.start()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # released: a second bind succeeds
+    with pytest.raises(RuntimeError, match="ProxyServer is not started"):
+        _ = proxy.url
+
+
 def test_proxies_with_default_settings_run_side_by_side_and_take_the_token_from_the_env(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each binds a free loopback port of its own; the bearer token defaults to
