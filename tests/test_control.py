@@ -2111,6 +2111,23 @@ def _handshake_raw(router: zmq.Socket) -> bytes:
     return ident
 
 
+def _serve_one_layer(router: zmq.Socket) -> bytes:
+    """Play Decode for a new connection: accept its MF_META, answer its layer-0 READY."""
+    ident = _handshake_raw(router)
+    assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+    router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+    return ident
+
+
+def _publish(pw: PrefillWorker, p: Prefill, port: int, ext: str, block: int,
+             n_layers: int = 1) -> None:
+    """Track ``ext`` for the Decode on ``port`` (block ``block`` on both sides) and run its
+    only chunk through ``n_layers`` layers."""
+    pw.add_request(ext, params(port), [block], [block])
+    pw.schedule_chunk(ext, 4, True)
+    run_layers(pw, p, block, [block], [block], n_layers)
+
+
 def test_prefill_traces_each_frame_and_connection_with_its_peer_and_identity(
         engines: tuple[HostEngine, HostEngine], tmp_path: Path) -> None:
     """The Prefill trace names, for every frame, its direction, the Decode endpoint and the
@@ -2123,12 +2140,8 @@ def test_prefill_traces_each_frame_and_connection_with_its_peer_and_identity(
     router, port = _raw_decode(ctx)
     pw = PrefillWorker(p.core(), tracer=tracer)
     try:
-        pw.add_request("r", params(port), [1], [1])
-        pw.schedule_chunk("r", 4, True)
-        run_layers(pw, p, 1, [1], [1], 1)
-        ident = _handshake_raw(router)
-        assert isinstance(_take(router)[1], wire.ReadReadyBatch)
-        router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+        _publish(pw, p, port, "r", 1)
+        ident = _serve_one_layer(router)
         pw.wait_for_layer_send(0, WAIT)
     finally:
         pw.close()
@@ -2166,9 +2179,7 @@ def test_round_trips_count_only_replies_once_per_ready_and_stay_bounded_per_laye
     pw = PrefillWorker(p.core())
     t0 = time.monotonic()
     try:
-        pw.add_request("r1", params(port), [1], [1])
-        pw.schedule_chunk("r1", 4, True)
-        run_layers(pw, p, 1, [1], [1], 2)
+        _publish(pw, p, port, "r1", 1, 2)
         ident = _handshake_raw(router)
         assert [_take(router)[1].layer_idx for _ in range(2)] == [0, 1]
         not_a_reply = wire.encode(wire.ReadReadyBatch(1, "l1", (), ()))
@@ -2181,9 +2192,7 @@ def test_round_trips_count_only_replies_once_per_ready_and_stay_bounded_per_laye
         router.send_multipart([ident, wire.encode(wire.ReadDone(1))])
         pw.wait_for_layer_send(1, WAIT)
         assert len(pw.round_trips()) == 2
-        pw.add_request("r2", params(port), [2], [2])
-        pw.schedule_chunk("r2", 4, True)
-        run_layers(pw, p, 2, [2], [2], 2)
+        _publish(pw, p, port, "r2", 2, 2)
         for layer in (0, 1):
             assert _take(router)[1].layer_idx == layer
             router.send_multipart([ident, wire.encode(wire.ReadDone(layer))])
@@ -2212,9 +2221,7 @@ def test_prefill_gives_up_on_a_silent_decode_when_the_clock_reaches_the_reply_de
     router, port = _raw_decode(ctx)
     pw = PrefillWorker(p.core(reply_timeout=0.25), clock=lambda: now[0])
     try:
-        pw.add_request("r", params(port), [1], [1])
-        pw.schedule_chunk("r", 4, True)
-        run_layers(pw, p, 1, [1], [1], 1)
+        _publish(pw, p, port, "r", 1)
         _handshake_raw(router)
         assert isinstance(_take(router)[1], wire.ReadReadyBatch)
         now[0] = 100.25  # exactly the deadline
@@ -2249,9 +2256,7 @@ def test_a_decode_address_zmq_refuses_fails_its_readers_and_spares_the_other_dec
         pw.schedule_chunk("good", 4, True)
         with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
             run_layers(pw, p, 1, [1, 2], [1, 2], 1)
-            ident = _handshake_raw(router)
-            assert isinstance(_take(router)[1], wire.ReadReadyBatch)
-            router.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+            _serve_one_layer(router)
             with pytest.raises(LayerSendError) as info:
                 pw.wait_for_layer_send(0, WAIT)
         why = (f"send to decode 0:{port} failed: Invalid argument "
@@ -2261,6 +2266,125 @@ def test_a_decode_address_zmq_refuses_fails_its_readers_and_spares_the_other_dec
         failed = f"layer 0 via decode 0:{port}: S5: {why}"
         assert str(info.value) == f"S4: layer 0 cannot be written: {failed}; {failed}"
         assert pw.drain(WAIT) == []  # the sender is alive and the slot free again
+    finally:
+        pw.close()
+        router.close()
+        ctx.term()
+
+
+def test_an_idle_prefill_sleeps_with_a_connection_open_or_being_retried(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """The sender blocks in its poll when there is nothing to do: with a connection open and
+    every READY answered (its sockets are writable: polling for that would spin), and while
+    ZMQ keeps retrying a Decode that refuses connections every 100 ms (those attempts are
+    no reason to wake). Over each quiet interval it reads its clock a few times at most (what
+    it was finishing), not once per spin or per retry."""
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    reads = [0]
+    published = threading.Event()
+
+    def clock() -> float:
+        reads[0] += 1
+        return time.monotonic()
+
+    def observe(machine: str, key: str, event: str, src: str, dst: str, args: tuple) -> None:
+        if dst == "awaiting_replies":
+            published.set()
+
+    p.tracer = observe  # type: ignore[assignment]
+    ctx = zmq.Context()
+    router, port = _raw_decode(ctx)
+    refusing = socket.socket()  # bound, never listening: every connection is refused
+    refusing.bind(("127.0.0.1", 0))
+    pw = PrefillWorker(p.core(), clock=clock)
+    try:
+        _publish(pw, p, port, "r", 1)
+        _serve_one_layer(router)
+        assert pw.drain(WAIT) == []
+        reads[0] = 0
+        assert not router.poll(300)  # a quiet interval: nothing to await, only to observe
+        assert reads[0] < 10, f"{reads[0]} clock reads while idle with a connection open"
+        published.clear()
+        pw.add_request("r2", params(refusing.getsockname()[1]), [2], [2])
+        pw.schedule_chunk("r2", 4, True)
+        run_layers(pw, p, 2, [2], [2], 1)
+        assert published.wait(WAIT)  # the MF_META follows at once; then nothing to do
+        reads[0] = 0
+        assert not router.poll(1000)  # about ten connection attempts
+        assert reads[0] < 6, f"{reads[0]} clock reads while ZMQ retried the connection"
+    finally:
+        pw.close()
+        router.close()
+        refusing.close()
+        ctx.term()
+
+
+class _Recording(zmq.Context):
+    """A context that keeps a weak reference to each DEALER made in it: which of a worker's
+    connections are still held, and with what options."""
+
+    dealers: list[Any] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dealers = []
+
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> Any:
+        import weakref
+
+        sock = super().socket(socket_type, *args, **kwargs)
+        if socket_type == zmq.DEALER:
+            self.dealers.append(weakref.ref(sock))
+        return sock
+
+    def open_dealers(self) -> list[zmq.Socket]:
+        return [s for s in (ref() for ref in self.dealers) if s is not None and not s.closed]
+
+
+def test_a_replaced_connection_is_released_and_each_keeps_its_options(
+        engines: tuple[HostEngine, HostEngine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """S5: a Decode that never answered loses its connection, and the next READY goes over a
+    new one; the old connection is released (nothing in the worker holds its socket, so a
+    long run that loses connections does not pile them up). Every connection the sender
+    uses closes at once when dropped (linger 0) and refuses replies over 1 MiB."""
+    import gc
+
+    from sfa_rd2h.runtime.control import REPLY_MAX_BYTES
+
+    pe, _ = engines
+    p = make_prefill(pe, 1, 1)
+    ctx = _Recording()
+    router, port = _raw_decode(ctx)
+    core = p.core(reply_timeout=0.3)
+    options: list[tuple[int, int]] = []
+    real_on_frame = core.on_frame
+
+    def on_frame(endpoint: str, frame: bytes, now: float) -> list[Any]:
+        # on the sender thread, which owns the connections: their options in effect
+        options.extend((s.getsockopt(zmq.LINGER), s.getsockopt(zmq.MAXMSGSIZE))
+                       for s in ctx.open_dealers())
+        return real_on_frame(endpoint, frame, now)
+
+    monkeypatch.setattr(core, "on_frame", on_frame)
+    pw = PrefillWorker(core, context=ctx)
+    try:
+        _publish(pw, p, port, "r1", 1)
+        old = _handshake_raw(router)
+        assert isinstance(_take(router)[1], wire.ReadReadyBatch)
+        with pytest.raises(LayerSendError):  # never answered: the connection is given up
+            pw.wait_for_layer_send(0, WAIT)
+        _publish(pw, p, port, "r2", 2)
+        new = _handshake_raw(router)
+        assert new != old and isinstance(_take(router)[1], wire.ReadReadyBatch)
+        router.send_multipart([new, wire.encode(wire.ReadDone(0))])
+        assert pw.drain(WAIT) == []
+        gc.collect()
+        held = [ref() for ref in ctx.dealers]
+        assert len(held) == 2 and held[0] is None, "the lost connection is still held"
+        assert held[1] is not None and not held[1].closed
+        # three replies came (two acks, a READ_DONE); at each, exactly one connection open
+        assert options == [(0, REPLY_MAX_BYTES)] * 3
     finally:
         pw.close()
         router.close()
