@@ -362,9 +362,22 @@ def test_concat_merges_requests_and_coalesces_boundaries() -> None:
     assert concat([c]) is c
 
 
-def test_readplan_rejects_ragged_arrays() -> None:
-    with pytest.raises(LayoutError, match=r"differ in length"):
-        ReadPlan(np.zeros(2), np.zeros(2), np.zeros(3))
+@pytest.mark.parametrize("sizes", [(2, 2, 3), (2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_readplan_rejects_arrays_of_which_any_one_differs_in_length(
+        sizes: tuple[int, int, int]) -> None:
+    local, peer, lengths = sizes
+    assert _layout_error(ReadPlan, np.zeros(local), np.zeros(peer), np.zeros(lengths)) == (
+        f"L1: read plan arrays differ in length: local {local}, peer {peer}, "
+        f"lengths {lengths}")
+
+
+def test_readplan_takes_a_scalar_or_nested_descriptors_as_one_flat_list() -> None:
+    one = ReadPlan(4096, 8192, 64)
+    assert (len(one), one.local_addrs.shape, one.total_bytes) == (1, (1,), 64)
+    nested = ReadPlan([[0, 64]], [[100, 164]], [[64, 64]])
+    assert [a.shape for a in (nested.local_addrs, nested.peer_addrs, nested.lengths)] == [
+        (2,)] * 3
+    assert nested.coalesced().lengths.tolist() == [128]
 
 
 # ---------------------------------------------------------------- property: vs naive reference
