@@ -2389,3 +2389,58 @@ def test_a_replaced_connection_is_released_and_each_keeps_its_options(
         pw.close()
         router.close()
         ctx.term()
+
+
+def test_replies_already_queued_count_before_the_reply_timer_fires(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """S5 is about replies that did not come: when the sender returns to its sockets with
+    the clock already at a READY's reply deadline, a reply queued for it is handled first,
+    even behind a wake-up in the same poll and behind a badly framed and an undecodable
+    frame in the same batch, so a Decode that answered in time is not given up.
+
+    The replies come over inproc (the sender connects its DEALER there itself, while it
+    waits on a layer's device event), so all of them are queued before it goes on."""
+    pe, _ = engines
+    p = make_prefill(pe, 3, 3)
+    now = [100.0]
+    ctx = _Recording()
+    router, port = _raw_decode(ctx)
+    inproc = f"inproc://prefill-queued-{id(ctx)}"
+    pusher = ctx.socket(zmq.ROUTER)
+    pusher.setsockopt(zmq.LINGER, 0)
+    pusher.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a frame it cannot route raises
+    pusher.bind(inproc)
+    entered, release = threading.Event(), threading.Event()
+
+    class Held:
+        def synchronize(self) -> None:  # on the sender thread, which owns the DEALER
+            [dealer] = ctx.open_dealers()
+            dealer.connect(inproc)
+            entered.set()
+            assert release.wait(WAIT)
+
+    pw = PrefillWorker(p.core(reply_timeout=5.0), clock=lambda: now[0], context=ctx)
+    try:
+        _publish(pw, p, port, "r", 1)  # layer 0's READY goes out at 100.0: due by 105.0
+        ident = _handshake_raw(router)
+        assert _take(router)[1].layer_idx == 0
+        pw.wait_for_layer_send(1, WAIT)
+        pw.begin_layer(1)
+        pw.layer_written(1, Held())
+        assert entered.wait(WAIT)
+        pw.wait_for_layer_send(2, WAIT)
+        pw.begin_layer(2)
+        pw.layer_written(2, None)  # rings the sender's wake-up while it waits
+        pusher.send_multipart([ident, b"one", b"two"])
+        pusher.send_multipart([ident, b"\xc1 not msgpack"])
+        pusher.send_multipart([ident, wire.encode(wire.ReadDone(0))])
+        now[0] = 105.0
+        release.set()
+        pw.wait_for_layer_send(0, WAIT)  # answered in time: free, not failed
+        assert pw.stats.rejected_frames == 2 and pw.stats.peers_lost == 0
+    finally:
+        release.set()
+        pw.close()
+        pusher.close()
+        router.close()
+        ctx.term()
