@@ -2444,3 +2444,67 @@ def test_replies_already_queued_count_before_the_reply_timer_fires(
         pusher.close()
         router.close()
         ctx.term()
+
+
+def test_a_decode_that_takes_no_more_frames_fails_the_send_instead_of_blocking_the_sender(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """S5: a Decode whose queue is full (its high-water mark reached) costs its connection
+    at once: the send fails, is counted and logged saying why, and that Decode's reads of
+    every published layer fail; the sender is not blocked in the send (which would hold up
+    every other Decode and the compute thread's waits), and the READYs after the failed one
+    are dropped with the connection, not sent over a new one without MF_META (W1).
+
+    Made deterministic: every socket of the worker's context queues one frame at most; the
+    TCP connection never comes up (the port refuses), so the MF_META fills it; the sender
+    also connects its DEALER to an inproc ROUTER that acknowledges MF_META and reads
+    nothing, so the six READYs released by the acknowledgement overflow that queue."""
+    n = 6
+    pe, _ = engines
+    p = make_prefill(pe, n, n)
+    failed = _watch_gate_failures(p)
+    ctx = _Recording()
+    ctx.setsockopt(zmq.SNDHWM, 1)  # the default for every socket made in it
+    refusing = socket.socket()  # bound, never listening: every connection is refused
+    refusing.bind(("127.0.0.1", 0))
+    port = refusing.getsockname()[1]
+    inproc = f"inproc://prefill-full-{id(ctx)}"
+    decode = ctx.socket(zmq.ROUTER)
+    decode.setsockopt(zmq.LINGER, 0)
+    decode.setsockopt(zmq.RCVHWM, 1)
+    decode.bind(inproc)
+    identity: list[bytes] = []
+    bridged = threading.Event()
+
+    class Bridge:
+        def synchronize(self) -> None:  # on the sender thread, which owns the DEALER
+            [dealer] = ctx.open_dealers()
+            dealer.connect(inproc)
+            identity.append(dealer.getsockopt(zmq.IDENTITY))
+            bridged.set()
+
+    pw = PrefillWorker(p.core(), context=ctx)
+    try:
+        pw.add_request("r", params(port), [1], [1])
+        pw.schedule_chunk("r", 4, True)
+        with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
+            for layer in range(n):  # layer 0 sends MF_META; every READY waits for its ack
+                pw.begin_layer(layer)
+                p.write(layer, 1, [1], [1])
+                pw.layer_written(layer, Bridge() if layer == n - 1 else None)
+            assert bridged.wait(WAIT)
+            decode.send_multipart([identity[0], wire.encode(wire.MfMetaAck(True, 1))])
+            assert failed.wait(WAIT), "no send failed: the sender is blocked in one"
+            errors = pw.drain(WAIT)
+    finally:
+        try:
+            pw.close()  # a sender stuck in a send does not stop: this raises
+        finally:
+            decode.close()
+            refusing.close()
+    ctx.term()  # only once the worker has closed its sockets
+    why = f"send to 127.0.0.1:{port} failed: Resource temporarily unavailable"
+    assert caplog.messages == [f"prefill rank 0: {why}"]
+    fails = [f"layer {i} via 127.0.0.1:{port}: S5: {why}" for i in range(n)]
+    assert errors == [f"S4: layer {i} cannot be written: {f}; {f}" for i, f in enumerate(fails)]
+    assert pw.stats.peers_lost == 1 and 1 <= pw.stats.frames_sent < n
+    assert len(ctx.dealers) == 1, "a READY went out over a new connection"
