@@ -1317,6 +1317,46 @@ def test_memfabric_wrapper_defaults_and_a_library_without_diagnostics() -> None:
         eng.close()
 
 
+def test_memfabric_wrapper_store_url_from_the_env_loopback_default_and_bare_refusals(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without store_url= the config store comes from ASCEND_MF_STORE_URL; initialize()
+    without a host binds a loopback session; a refusal the library explains nothing about
+    says 'no detail', one it explains carries the library's words; a library whose
+    TransDataOpType is no enum is refused by name."""
+    fake = _FakeMooncake()
+    monkeypatch.setenv("ASCEND_MF_STORE_URL", "tcp://10.0.0.9:6650")
+    eng = _memfabric(fake, role="decode")
+    fake.last_error = ""
+    fake.answers["initialize"] = -7
+    with pytest.raises(EngineUnavailable) as info:
+        eng.initialize(port=7000)
+    config = "role=Decode device=0 hostname=127.0.0.1 backend=fake_library"
+    assert str(info.value) == (f"MemFabric initialize returned -7 for [{config}] "
+                               "session=127.0.0.1:7000 store=tcp://10.0.0.9:6650: no detail")
+    fake.answers["initialize"] = 0
+    try:
+        assert eng.initialize().startswith("127.0.0.1:")
+        assert fake.calls[-1][1] == "tcp://10.0.0.9:6650"
+        buf = np.zeros(64, dtype=np.uint8)
+        at = int(buf.ctypes.data)
+        eng.register_memory(at, 64)
+        fake.last_error = "link down"
+        fake.answers["batch_transfer_sync_read"] = -2
+        assert eng.batch_transfer_sync_read("h:1", [at], [0x5000], [64]) == (
+            TransferResult.BACKEND)
+        assert eng.last_error == (
+            "BACKEND: MemFabric batch_transfer_sync_read returned -2: link down")
+    finally:
+        eng.close()
+
+    class NoEnum(_FakeMooncake):
+        TransDataOpType = object  # type: ignore[assignment]
+
+    with pytest.raises(EngineConfigError) as cfg:
+        _memfabric(NoEnum(), role="decode")
+    assert str(cfg.value) == "MemFabric data_op_type 'SDMA' is not one of []"
+
+
 # --------------------------------------------------------------------------- host engine API
 
 
