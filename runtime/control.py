@@ -194,6 +194,24 @@ class CurveSecurity:
         return CurveSecurity(self.public, self.secret, server_public, self.allowed_clients)
 
 
+def _check_curve_keys(curve: CurveSecurity, *fields: str) -> None:
+    """Refuse a malformed key where the worker is built: libzmq takes any 40-character Z85
+    key and refuses others only when the socket option is set, which on Prefill happens on
+    the sender thread at the first connection and would look like a lost Decode."""
+    for name in fields:
+        keys = getattr(curve, name)
+        for key in (sorted(keys) if isinstance(keys, frozenset) else (keys,)):
+            try:
+                ok = isinstance(key, bytes) and len(key) == 40 and \
+                    len(zmq.utils.z85.decode(key)) == 32
+            except (ValueError, KeyError):  # a length or a character Z85 does not have
+                ok = False
+            if not ok:
+                raise ControlPlaneError(
+                    f"CURVE {name}: {repr(key)[:60]} is not a key (40 characters of Z85 text "
+                    "as zmq.curve_keypair() makes)")
+
+
 class _CurveAllowList:
     """ZAP credentials provider: a CURVE client is let in only with an authorised key."""
 
@@ -290,6 +308,8 @@ class PrefillWorker(_Worker):
         if curve is not None and not curve.server_public:
             raise ControlPlaneError("CURVE on Prefill needs the Decode public key "
                                     "(server_public)")
+        if curve is not None:
+            _check_curve_keys(curve, "public", "secret", "server_public")
         self._curve = curve
         self.core = core
         self.stats = PrefillStats()
@@ -723,6 +743,8 @@ class DecodeWorker(_Worker):
         max_frame_bytes: int = 4 * wire.MAX_FRAME_BYTES,
         curve: CurveSecurity | None = None,
     ) -> None:
+        if curve is not None:
+            _check_curve_keys(curve, "public", "secret", "allowed_clients")
         self.core = core
         self.engine = engine
         self.stats = DecodeStats()

@@ -826,6 +826,35 @@ def test_curve_lets_only_authorised_prefills_reach_decode(
     assert str(info.value) == "CURVE on Prefill needs the Decode public key (server_public)"
 
 
+def test_a_malformed_curve_key_is_refused_where_the_worker_is_built(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """A key that is not 40 characters of Z85 is refused by the constructor naming the
+    field, not at Prefill's first connection on the sender thread (where it would pass for
+    a lost Decode); a well-formed key is taken on both sides."""
+    pe, de = engines
+    p = make_prefill(pe, 1, 1)
+    d = make_decode(de, 1)
+    good = CurveSecurity.generate()
+    z85_but_short = good.public[:35]
+    for curve, field_name, key in (
+            (good.client_of(b"bad"), "server_public", b"bad"),
+            (CurveSecurity(good.public, b"~" * 40, good.public), "secret", b"~" * 40),
+            (CurveSecurity(z85_but_short, good.secret, good.public), "public", z85_but_short)):
+        with pytest.raises(ControlPlaneError) as info:
+            PrefillWorker(p.core(), curve=curve)
+        assert str(info.value) == (f"CURVE {field_name}: {key!r} is not a key (40 characters "
+                                   "of Z85 text as zmq.curve_keypair() makes)")
+    bad_client = CurveSecurity(good.public, good.secret, allowed_clients=frozenset({b"x" * 39}))
+    with pytest.raises(ControlPlaneError) as info:
+        DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0, curve=bad_client)
+    assert str(info.value) == (f"CURVE allowed_clients: {b'x' * 39!r} is not a key (40 "
+                               "characters of Z85 text as zmq.curve_keypair() makes)")
+    PrefillWorker(p.core(), curve=good.client_of(good.public)).close()
+    DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0,
+                 curve=CurveSecurity(good.public, good.secret,
+                                     allowed_clients=frozenset({good.public}))).close()
+
+
 # --------------------------------------------------------------------------- test strength
 # (issue 12) What the mutation run found unguarded in the control plane: each test states
 # what a caller or an operator observes.
