@@ -18,7 +18,7 @@ test reach (the gloo ranks, the host-engine peers), so those tests are selected 
 mutant then runs in a forked worker with the tests that reach it, fastest first, stopping at
 the first failure.
 
-    sfa-rd2h mutation                      # the full run (about an hour on 2 cores)
+    sfa-rd2h mutation                      # every target (2-4 hours on 2 cores, see README)
     sfa-rd2h mutation --only runtime/tp_group.py   # one file, a few minutes
     sfa-rd2h mutation --report [--json]    # the last run's score and survivors, no run
 
