@@ -305,10 +305,10 @@ class PrefillWorker(_Worker):
     def __init__(self, core: PrefillCore, *, tracer: Tracer | None = None,
                  context: zmq.Context | None = None, clock: Clock = time.monotonic,
                  curve: CurveSecurity | None = None) -> None:
-        if curve is not None and not curve.server_public:
-            raise ControlPlaneError("CURVE on Prefill needs the Decode public key "
-                                    "(server_public)")
         if curve is not None:
+            if not curve.server_public:
+                raise ControlPlaneError("CURVE on Prefill needs the Decode public key "
+                                        "(server_public)")
             _check_curve_keys(curve, "public", "secret", "server_public")
         self._curve = curve
         self.core = core

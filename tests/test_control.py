@@ -243,6 +243,16 @@ def test_port_in_use_fails_within_a_second(engines: tuple[HostEngine, HostEngine
         assert f"tcp://127.0.0.1:{port}" in str(info.value)
 
 
+class SteppedClock:
+    """A clock that moves only when the test moves it."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _dealer(ctx: zmq.Context, port: int, identity: bytes) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity)
@@ -2245,15 +2255,15 @@ def test_prefill_gives_up_on_a_silent_decode_when_the_clock_reaches_the_reply_de
     pe, _ = engines
     p = make_prefill(pe, 1, 1)
     failed = _watch_gate_failures(p)
-    now = [100.0]
+    clock = SteppedClock(100.0)
     ctx = zmq.Context()
     router, port = _raw_decode(ctx)
-    pw = PrefillWorker(p.core(reply_timeout=0.25), clock=lambda: now[0])
+    pw = PrefillWorker(p.core(reply_timeout=0.25), clock=clock)
     try:
         _publish(pw, p, port, "r", 1)
         _handshake_raw(router)
         assert isinstance(_take(router)[1], wire.ReadReadyBatch)
-        now[0] = 100.25  # exactly the deadline
+        clock.now = 100.25  # exactly the deadline
         assert failed.wait(WAIT), "the reply deadline passed and the slot is still held"
         assert pw.stats.peers_lost == 1
         late = f"layer 0 via 127.0.0.1:{port}: S5: no reply within 0.25s"
@@ -2431,7 +2441,7 @@ def test_replies_already_queued_count_before_the_reply_timer_fires(
     waits on a layer's device event), so all of them are queued before it goes on."""
     pe, _ = engines
     p = make_prefill(pe, 3, 3)
-    now = [100.0]
+    clock = SteppedClock(100.0)
     ctx = _Recording()
     router, port = _raw_decode(ctx)
     inproc = f"inproc://prefill-queued-{id(ctx)}"
@@ -2448,7 +2458,7 @@ def test_replies_already_queued_count_before_the_reply_timer_fires(
             entered.set()
             assert release.wait(WAIT)
 
-    pw = PrefillWorker(p.core(reply_timeout=5.0), clock=lambda: now[0], context=ctx)
+    pw = PrefillWorker(p.core(reply_timeout=5.0), clock=clock, context=ctx)
     try:
         _publish(pw, p, port, "r", 1)  # layer 0's READY goes out at 100.0: due by 105.0
         ident = _handshake_raw(router)
@@ -2463,7 +2473,7 @@ def test_replies_already_queued_count_before_the_reply_timer_fires(
         pusher.send_multipart([ident, b"one", b"two"])
         pusher.send_multipart([ident, b"\xc1 not msgpack"])
         pusher.send_multipart([ident, wire.encode(wire.ReadDone(0))])
-        now[0] = 105.0
+        clock.now = 105.0
         release.set()
         pw.wait_for_layer_send(0, WAIT)  # answered in time: free, not failed
         assert pw.stats.rejected_frames == 2 and pw.stats.peers_lost == 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import zmq
-from test_control import WAIT, _dealer, _recv, make_decode, make_prefill
+from test_control import WAIT, SteppedClock, _dealer, _recv, make_decode, make_prefill
 
 from sfa_rd2h.runtime.control import BindError, ControlPlaneError, CurveSecurity, DecodeWorker
 from sfa_rd2h.runtime.engines.host import HostEngine
@@ -21,16 +21,6 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError, WireError
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.trace import Tracer
-
-
-class SteppedClock:
-    """A clock that moves only when the test moves it."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _handshake(sock: zmq.Socket, session: str, layers: dict[str, wire.LayerMeta]) -> None:

@@ -52,6 +52,24 @@ def _rdv(request_id: str, **kw: Any) -> Rendezvous:
     return Rendezvous(**base)
 
 
+def _response(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, http.client.HTTPMessage, bytes]:
+    """One request on a connection of its own: the status, the headers and the raw body."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WAIT)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read()
+    finally:
+        conn.close()
+
+
 def _raw(
     url: str,
     method: str,
@@ -59,14 +77,8 @@ def _raw(
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WAIT)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
+    status, _, raw = _response(url, method, path, body, headers)
+    return status, json.loads(raw)
 
 
 def _free_port() -> int:
@@ -1300,9 +1312,7 @@ def test_a_start_that_fails_after_binding_releases_the_port_and_close_returns(
     """The serving thread cannot start (the process is out of threads): start() raises,
     the port it bound is free again, and close() returns instead of waiting in shutdown()
     for a serve_forever that never ran."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     proxy = ProxyServer(port=port)
 
     def no_thread(self: threading.Thread) -> None:
@@ -1350,17 +1360,10 @@ def test_every_reply_is_json_labelled_with_its_exact_length(
     """A client learns what it got from the headers: the body is JSON and its length is
     known before it is read (so a short read is a truncated answer, not the end of one).
     An unknown path is named without its query string."""
-    parts = urllib.parse.urlsplit(proxy.url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=WAIT)
-    try:
-        conn.request(method, path, body=body)
-        resp = conn.getresponse()
-        raw = resp.read()
-        assert (resp.status, json.loads(raw)) == (status, payload)
-        assert resp.getheader("Content-Type") == "application/json"
-        assert resp.getheader("Content-Length") == str(len(raw))
-    finally:
-        conn.close()
+    got, headers, raw = _response(proxy.url, method, path, body)
+    assert (got, json.loads(raw)) == (status, payload)
+    assert headers["Content-Type"] == "application/json"
+    assert headers["Content-Length"] == str(len(raw))
 
 
 def test_a_blank_timeout_is_refused_not_taken_as_no_wait(proxy: ProxyServer) -> None:
@@ -1385,14 +1388,8 @@ def test_a_refused_request_gets_401_and_nothing_after_it_on_its_connection_is_re
         assert _raw(proxy.url, "GET", "/v1/health",
                     headers={"Authorization": "Bearer wrong"}) == (401, refusal)
         body = json.dumps(_rdv("r-0").to_json()).encode()
-        parts = urllib.parse.urlsplit(proxy.url)
-        with socket.create_connection((parts.hostname, parts.port), timeout=WAIT) as s:
-            s.sendall(b"POST /v1/metaserver HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
-                      b"\r\n%s" % (len(body), body)
-                      + b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = b""
-            while chunk := s.recv(65536):  # until the proxy closes the connection
-                answer += chunk
+        answer = _exchange(proxy.url, b"POST /v1/metaserver HTTP/1.1\r\nHost: x\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body) + _HEALTH)
     head, _, rest = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 401 ")
     assert rest == json.dumps(refusal).encode()  # one answer, and nothing after it
