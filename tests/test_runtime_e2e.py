@@ -36,6 +36,7 @@ from sfa_rd2h.runtime.tools.demo import (
     n_blocks,
     run_demo,
 )
+from sfa_rd2h.runtime.tools.demo.process import send_to_live
 from sfa_rd2h.statemachines.trace import validate
 
 SMALL = {"layers": 4, "slots": 2, "requests": 6, "block_tokens": 16, "chunk_tokens": 32,
@@ -205,6 +206,12 @@ def test_overall_timeout_kills_everything_and_says_what_was_stuck(tmp_path: Path
     # The traces of a stopped run may be consistent as far as they go; they are still not
     # the traces of a valid run, and --json must not say so.
     assert not result.trace_valid and result.trace_report.startswith("incomplete")
+    # A run stopped this early has no duration to report, and never a negative one.
+    moved = next(line for line in result.summary().splitlines() if "bytes moved" in line)
+    if result.seconds is None:
+        assert "no duration" in moved, moved
+    else:
+        assert result.seconds >= 0 and f"in {result.seconds:.3f}s" in moved, moved
     assert all(code is not None for code in result.exit_codes.values())  # none left running
     for port in result.ports:
         _assert_port_free(port)
@@ -301,6 +308,37 @@ def test_leak_check_sees_only_this_run_and_a_start_sweeps_dead_runs(tmp_path: Pa
             noise.wait()
         for name in shm.files_of([noise.pid, dead]):
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def _hold_pipe(conn: object) -> None:
+    """A rank that holds its end of a pipe and never reads it (killed by the test)."""
+    import signal
+
+    signal.pause()
+
+
+def test_a_send_to_a_killed_rank_drops_it_and_reaches_the_others() -> None:
+    """A crash injection may SIGKILL a rank after the last message sent to it, or between
+    two: every rank-to-rank send of the demo goes through ``send_to_live``, which forgets a
+    dead peer instead of failing the survivor (kill-prefill's BrokenPipeError at "end")."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context("spawn")
+    (dead_r, dead_w), (live_r, live_w) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+    victim = ctx.Process(target=_hold_pipe, args=(dead_r,), daemon=True)
+    victim.start()
+    dead_r.close()  # from now on only the victim holds the reading end, as a rank does
+    peers = [dead_w, live_w]
+    send_to_live(peers, ("step", [0]))  # both alive: both get it
+    assert peers == [dead_w, live_w]
+    victim.kill()
+    victim.join(30)
+    assert victim.exitcode == -signal.SIGKILL
+    send_to_live(peers, ("step", [1]))
+    send_to_live(peers, ("end",))
+    assert peers == [live_w]
+    assert [live_r.recv() for _ in range(3)] == [("step", [0]), ("step", [1]), ("end",)]
 
 
 def _group_pids(pgid: int) -> set[int]:

@@ -31,6 +31,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_platform import require_cpu_platform  # noqa: E402
+
+require_cpu_platform()  # vLLM 0.33's CUDA wheel cannot run these engines here
+
 from sfa_rd2h.runtime.vllm import launch  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import vllm_platform
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm033"
@@ -59,3 +60,27 @@ def test_scheduler_level_suite_passes_on_vllm_033() -> None:
     summary = out.stdout.strip().splitlines()[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
     assert counts == {"passed": expected}, tail
+
+
+def test_e2e_module_skips_on_vllm_033_saying_it_has_no_cpu_platform() -> None:
+    """0.33's CUDA wheel cannot run an engine here: the e2e module says so and skips, in the
+    venv whose marker promises the scheduler-level suite only (it errored on the way to an
+    engine before: ``ModuleNotFoundError: orjson``)."""
+    out = subprocess.run([str(PYTHON), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "tests/test_vllm_e2e.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    tail = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, tail  # a module-level skip
+    assert out.stdout.strip().splitlines()[-1].startswith("1 skipped"), tail
+    assert f"vLLM 0.33.0 {vllm_platform.NO_CPU_PLATFORM}" in out.stdout, tail
+
+
+def test_a_promised_cpu_vllm_that_cannot_run_fails_loudly(monkeypatch) -> None:
+    """Where `.ci/setup` promised a CPU vLLM, an engine module that cannot run fails, never
+    skips; where only the scheduler suite was promised, it skips with the reason."""
+    monkeypatch.setattr(vllm_platform, "no_cpu_platform", lambda: "vLLM 9 has none")
+    for word, outcome in (("cpu", pytest.fail.Exception), ("scheduler", pytest.skip.Exception)):
+        monkeypatch.setattr(vllm_platform, "promise", lambda word=word: word)
+        with pytest.raises(outcome, match="vLLM 9 has none") as info:
+            vllm_platform.require_cpu_platform()
+        assert ("says .ci/setup installed a CPU vLLM" in str(info.value)) == (word == "cpu")

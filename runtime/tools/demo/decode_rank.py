@@ -26,6 +26,7 @@ from sfa_rd2h.runtime.tools.demo.process import (
     crash,
     live_threads,
     make_tracer,
+    send_to_live,
 )
 from sfa_rd2h.runtime.tools.demo.workload import WORK_POLL_S, Patterns, engine_kwargs, n_blocks
 from sfa_rd2h.spec.topology import decode_rank_port
@@ -336,11 +337,7 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         def share(ext: str, main: np.ndarray) -> None:
             """Rank 0 hands the allocation to the other ranks (vLLM: the scheduler output);
             a rank that died (kill-decode) is skipped, its pipe is broken."""
-            for peer in list(live_peers):
-                try:
-                    peer.send(("register", ext, main))
-                except OSError:
-                    live_peers.remove(peer)
+            send_to_live(live_peers, ("register", ext, main))
             register(ext, main)
 
         def register_late(ext: str, main: np.ndarray) -> None:

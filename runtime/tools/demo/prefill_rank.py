@@ -22,6 +22,7 @@ from sfa_rd2h.runtime.tools.demo.process import (
     crash,
     live_threads,
     make_tracer,
+    send_to_live,
 )
 from sfa_rd2h.runtime.tools.demo.workload import WORK_POLL_S, Patterns, engine_kwargs, n_blocks
 from sfa_rd2h.spec.topology import tp_mapping
@@ -192,17 +193,12 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
                     r["done"] = min(r["tokens"], r["done"] + cfg.chunk_tokens)
                     step.append((r["ext"], r.pop("params", None), r["main"], r["idx"],
                                  r["done"], r["done"] == r["tokens"]))
-                for peer in list(peers):
-                    try:
-                        peer.send(("step", step))
-                    except OSError:  # that rank died (kill-prefill): the others go on
-                        peers.remove(peer)
+                send_to_live(peers, ("step", step))  # kill-prefill: the others go on
                 run_step(step)
                 steps.append([s[0] for s in step])
                 chan.send("step", [s[0] for s in step if s[5]])  # requests fully computed
                 active = [r for r in active if r["done"] < r["tokens"]]
-            for peer in peers:
-                peer.send(("end",))
+            send_to_live(peers, ("end",))  # the killed rank may die after its last step
             stop.set()
             fetcher.join(FETCH_JOIN_S)
         else:

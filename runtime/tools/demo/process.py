@@ -57,6 +57,17 @@ class Channel:
             self.conn.send(msg)
 
 
+def send_to_live(peers: list[Connection], msg: tuple) -> None:
+    """Send ``msg`` to every rank in ``peers`` that is still alive, and forget the ones whose
+    pipe is broken: a crash injection may SIGKILL a peer rank at any moment, before or after
+    any of the messages sent to it, and the survivors must go on without it."""
+    for peer in list(peers):
+        try:
+            peer.send(msg)
+        except OSError:  # BrokenPipeError / ConnectionResetError: that rank is gone
+            peers.remove(peer)
+
+
 def child_logging(name: str) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"[{name}] %(levelname)s %(name)s: %(message)s")

@@ -49,7 +49,9 @@ class DemoResult:
     requests_ok: int
     requests_failed: int
     bytes: int
-    seconds: float
+    # From submitting the first request to the last terminal state; None when no request
+    # reached one (a run stopped before anything finished has nothing to time).
+    seconds: float | None
     gbps: float
     rtt_p50_ms: float | None
     rtt_p99_ms: float | None
@@ -89,8 +91,7 @@ class DemoResult:
             f"{topo['layers']} layers on {topo['slots']} slots, indexer={topo['indexer']} "
             f"scale={topo['scale']}, engine={topo['engine']}, inject={self.inject}",
             f"  requests ok/failed : {self.requests_ok}/{self.requests_failed}",
-            f"  bytes moved        : {self.bytes:,} in {self.seconds:.3f}s = "
-            f"{self.gbps:.3f} GB/s",
+            f"  bytes moved        : {self._moved()}",
             f"  layer round trip   : p50 {_ms(self.rtt_p50_ms)}  p99 {_ms(self.rtt_p99_ms)}",
             f"  verification       : {self._verification()}",
             f"  traces             : {self.trace_report}",
@@ -105,6 +106,11 @@ class DemoResult:
         lines += [f"  problem: {p}" for p in self.problems]
         lines.append("OK" if self.ok else "FAILED")
         return "\n".join(lines)
+
+    def _moved(self) -> str:
+        if self.seconds is None:
+            return f"{self.bytes:,} (no request reached a terminal state: no duration)"
+        return f"{self.bytes:,} in {self.seconds:.3f}s = {self.gbps:.3f} GB/s"
 
     def _verification(self) -> str:
         if not self.complete:
@@ -465,7 +471,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                  "collecting reports")
             for p in procs:
                 if p.name.startswith("decode") and not p.exited:
-                    p.conn.send(("stop",))
+                    try:
+                        p.conn.send(("stop",))
+                    except OSError:
+                        pass  # it died since the last look: its exit code below says how
             stop_by = time.monotonic() + SHUTDOWN_S
             for p in procs:
                 p.proc.join(max(0.0, stop_by - time.monotonic()))
@@ -500,7 +509,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         if relay is not None:
             seen.relay_cut, seen.relay_forwarded = relay.cut, relay.forwarded
         result = _judge(cfg, work, plan, procs, seen, problems, trace_dir, validate,
-                        t_last - t_submit, topology, interrupted)
+                        t_last - t_submit if finished else None, topology, interrupted)
         result.observed = {"lost": dict(lost), "metaserver_cuts": seen.relay_cut,
                            "metaserver_forwarded": seen.relay_forwarded}
         result.trace_dir = cfg.trace_dir
@@ -532,7 +541,7 @@ class _Observed:
 
 def _judge(cfg: DemoConfig, work: Workload, plan: Plan | None, procs: list[_Proc],
            seen: _Observed, problems: list[str], trace_dir: str, validate: Any,
-           seconds: float, topology: dict[str, Any], interrupted: bool) -> DemoResult:
+           seconds: float | None, topology: dict[str, Any], interrupted: bool) -> DemoResult:
     """Validate every process's trace and assess the outcome against the prediction. A
     rank a crash injection killed leaves its trace unclosed, as a crash does; that one
     unclosed trace is predicted, any other is a problem."""
@@ -546,7 +555,7 @@ def _judge(cfg: DemoConfig, work: Workload, plan: Plan | None, procs: list[_Proc
         problems.append(f"traces not closed cleanly: {unclosed}")
     trace_valid = report.ok and not unclosed and len(traces) == len(procs)
     if plan is None:  # stopped before anything started
-        return DemoResult(ok=False, requests_ok=0, requests_failed=0, bytes=0, seconds=0.0,
+        return DemoResult(ok=False, requests_ok=0, requests_failed=0, bytes=0, seconds=None,
                           gbps=0.0, rtt_p50_ms=None, rtt_p99_ms=None, verified=False,
                           trace_valid=False, topology=topology, inject=cfg.inject,
                           trace_report="not run", problems=problems)
@@ -742,7 +751,7 @@ _BULKY = ("rtts", "steps", "outcomes", "errors", "mismatches", "mismatch_at", "l
 
 def _assess(cfg: DemoConfig, work: Workload, plan: Plan, procs: list[_Proc],
             seen: _Observed, trace_valid: bool, trace_summary: str,
-            problems: list[str], seconds: float, topology: dict[str, Any]) -> DemoResult:
+            problems: list[str], seconds: float | None, topology: dict[str, Any]) -> DemoResult:
     reports = {p.name: p.report for p in procs if p.report is not None}
     decode = [r for r in reports.values() if r["role"] == "decode"]
     prefill = [r for r in reports.values() if r["role"] == "prefill"]
@@ -789,7 +798,8 @@ def _assess(cfg: DemoConfig, work: Workload, plan: Plan, procs: list[_Proc],
     return DemoResult(
         complete=complete,
         ok=ok, requests_ok=n_ok, requests_failed=len(failed), bytes=nbytes,
-        seconds=round(seconds, 6), gbps=round(nbytes / seconds / 1e9, 4) if seconds > 0 else 0.0,
+        seconds=None if seconds is None else round(seconds, 6),
+        gbps=round(nbytes / seconds / 1e9, 4) if seconds else 0.0,
         rtt_p50_ms=None if not rtts else round(_percentile(rtts, 50) * 1e3, 3),  # type: ignore[operator]
         rtt_p99_ms=None if not rtts else round(_percentile(rtts, 99) * 1e3, 3),  # type: ignore[operator]
         verified=verified, trace_valid=trace_valid, topology=topology, inject=cfg.inject,
