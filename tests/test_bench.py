@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from sfa_rd2h.runtime.tools import bench_plot
-from sfa_rd2h.runtime.tools.bench import FIGURE_KEYS, STEP_NAMES
-from sfa_rd2h.runtime.tools.bench_plot import CHART_FILES, chart_series
+from sfa_rd2h.runtime.tools.bench import plot as bench_plot
+from sfa_rd2h.runtime.tools.bench.plot import CHART_FILES, chart_series
+from sfa_rd2h.runtime.tools.bench.suite import FIGURE_KEYS, STEP_NAMES
 from sfa_rd2h.runtime.tools.cli import main
 
 
@@ -169,7 +169,7 @@ def test_plot_without_matplotlib_exits_2_before_benchmarking(
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     ran: list[Any] = []
-    monkeypatch.setattr("sfa_rd2h.runtime.tools.bench.run_benchmarks",
+    monkeypatch.setattr("sfa_rd2h.runtime.tools.bench.suite.run_benchmarks",
                         lambda *a, **k: ran.append(a) or [])
     assert main(["bench", "--quick", "--plot", str(tmp_path / "charts")]) == 2
     err = capsys.readouterr().err

@@ -427,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
     p.set_defaults(func=cmd_mutants)
 
-    from sfa_rd2h.runtime.tools.bench import add_bench_parser
+    from sfa_rd2h.runtime.tools.bench.suite import add_bench_parser
     from sfa_rd2h.runtime.tools.demo import add_demo_parser
+    from sfa_rd2h.runtime.tools.hosts import add_hosts_parser
     from sfa_rd2h.runtime.tools.mutation import add_mutation_parser
     from sfa_rd2h.runtime.tools.probe import add_probe_parser
     from sfa_rd2h.runtime.tools.validate import add_validate_parser
@@ -438,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_demo_parser(sub)
     add_validate_parser(sub)
     add_probe_parser(sub)
+    add_hosts_parser(sub)
     add_bench_parser(sub)
     add_mutation_parser(sub)
 

@@ -1,8 +1,8 @@
 """``sfa-rd2h bench``: the runtime as a whole against the floors a user compares it with.
 
 Each benchmark here runs the real workers in two processes (the peers are
-``bench_peers``) next to the bare equivalent in two processes, interleaved block by block
-(ABBA) in one run, as the micro benchmarks in ``bench`` are:
+``bench.peers``) next to the bare equivalent in two processes, interleaved block by block
+(ABBA) in one run, as the micro benchmarks in ``bench.micro`` are:
 
 * control-plane round trip of a zero-block layer vs a bare DEALER/ROUTER msgpack echo;
 * Prefill CPU per layer (64 requests x 8 endpoints, and 1, 2, 4 for the chart) vs msgpack
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
@@ -35,8 +35,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from sfa_rd2h.runtime.tools import bench_peers as peers
-from sfa_rd2h.runtime.tools.bench import BenchError, Result, Sizes, announcement, compare
+from sfa_rd2h.runtime.tools.bench import peers
+from sfa_rd2h.runtime.tools.bench.common import BenchError, Result, Sizes, abba, compare, pct
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.layout import DestLayout, plan_layer_reads
 
@@ -44,10 +44,10 @@ _TIMEOUT = 60.0
 
 
 class Peer:
-    """A ``bench_peers`` process: its announcement, then one JSON answer per command."""
+    """A ``bench.peers`` process: its announcement, then one JSON answer per command."""
 
     def __init__(self, *args: str, timeout: float = _TIMEOUT) -> None:
-        cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.bench_peers", *args]
+        cmd = [sys.executable, "-m", "sfa_rd2h.runtime.tools.bench.peers", *args]
         self._err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._err, text=True)
@@ -104,23 +104,22 @@ def running(*args: str) -> Iterator[Peer]:
         peer.close()
 
 
+def announcement(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The probe owner's first stdout line (its session and buffer address), bounded wait."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise BenchError(f"probe owner announced nothing within {timeout:g}s")
+    line = proc.stdout.readline()
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise BenchError(f"probe owner announced {line!r}, not JSON") from None
+
+
 def _params(port: int) -> dict[str, Any]:
     return {"remote_host": "127.0.0.1", "remote_port": port, "remote_tp_size": 1}
-
-
-def _abba(sides: list[Callable[[], list[float]]], blocks: int) -> list[list[float]]:
-    """Run each side's sample block ``blocks`` times, order flipped every round."""
-    out: list[list[float]] = [[] for _ in sides]
-    order = list(range(len(sides)))
-    for i in range(blocks):
-        for k in order if i % 2 == 0 else reversed(order):
-            out[k] += sides[k]()
-    return out
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 # ----------------------------------------------------------------------------- 1. round trip
@@ -212,7 +211,7 @@ def bench_control(sizes: Sizes) -> list[Result]:
             if decode.ask(cmd="cpu")["replies"]["done"] != 20:
                 raise BenchError("control_rtt: Decode did not answer READ_DONE to each round")
             block = max(10, sizes.rtt_rounds // 10)
-            proj, base = _abba([lambda: prefill.rounds(block), lambda: bare.rounds(ready, block)],
+            proj, base = abba([lambda: prefill.rounds(block), lambda: bare.rounds(ready, block)],
                                max(2, sizes.rtt_rounds // block))
             idle = _idle(sizes.idle_s, decode, echo)
         finally:
@@ -220,7 +219,7 @@ def bench_control(sizes: Sizes) -> list[Result]:
             bare.sock.close()
             ctx.term()
     p50, b50 = statistics.median(proj), statistics.median(base)
-    p99, b99 = _pct(proj, 0.99), _pct(base, 0.99)
+    p99, b99 = pct(proj, 0.99), pct(base, 0.99)
     what = (f"zero-block layer, READY sent -> READ_DONE received, Prefill and Decode workers in "
             f"two processes; vs bare DEALER/ROUTER msgpack echo ({len(proj)} samples each)")
     info = {"verified": True, "samples": [len(proj), len(base)], "ready_bytes": len(ready),
@@ -421,7 +420,7 @@ def _prefill_layer(sizes: Sizes, ports: list[int],
             project(sizes.layer_steps * sizes.layer_repeat)
             prof.stop()
             return [], []
-        proj, base = _abba([lambda: project(sizes.layer_steps),
+        proj, base = abba([lambda: project(sizes.layer_steps),
                             lambda: baseline(sizes.layer_steps)], sizes.layer_repeat)
     finally:
         worker.close()
@@ -646,7 +645,7 @@ def bench_pipeline(sizes: Sizes) -> Result:
             batch()
             if not np.array_equal(dest.read_back(), expected):
                 raise BenchError("pipeline: bytes of the one-batch read differ from Prefill's")
-            proj, base = _abba([lambda: [project()], lambda: [batch()]], sizes.pipe_repeat)
+            proj, base = abba([lambda: [project()], lambda: [batch()]], sizes.pipe_repeat)
             worker.close()
         finally:
             eng.close()

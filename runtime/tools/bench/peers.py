@@ -1,7 +1,7 @@
 """The second processes of ``sfa-rd2h bench``: what sits on the other end of a socket.
 
 The system benchmarks compare the runtime with bare pyzmq between two processes, so each one
-needs a peer process. They are started as ``python -m sfa_rd2h.runtime.tools.bench_peers
+needs a peer process. They are started as ``python -m sfa_rd2h.runtime.tools.bench.peers
 ROLE ...``, announce themselves with one JSON line on stdout, then take one-line JSON
 commands on stdin and answer each with one JSON line. End of stdin (the bench died or is
 done) ends the peer, so no peer outlives its bench.
@@ -228,7 +228,7 @@ def run_prefill() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.tools.bench_peers")
+    p = argparse.ArgumentParser(prog="python -m sfa_rd2h.runtime.tools.bench.peers")
     p.add_argument("role", choices=["echo", "decode", "prefill"])
     p.add_argument("--sockets", type=int, default=1, help="echo: ROUTERs to bind")
     p.add_argument("--layers", default="{}", help="decode: JSON {name: DestLayout fields}")
