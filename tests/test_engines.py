@@ -1553,10 +1553,12 @@ def _stale(reply: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(("tamper", "why"), [
     (lambda r: _stale(r, "v", 2), "unusable registry reply from {s}: not a version-1 registry "
                                   "reply"),
-    (lambda r: {"error": "busy"}, "unusable registry reply from {s}: not a version-1 registry "
-                                  "reply"),
-    (lambda r: _stale(r, "boot", "another-boot"), "{s} runs on another host; the host engine "
-                                                  "only reads locally"),
+    (lambda r: {"error": "busy"}, "registry at {s} refused: busy (" + host_mod.ACROSS_HOSTS +
+                                  ")"),
+    (lambda r: {"error": 7}, "unusable registry reply from {s}: not a version-1 registry "
+                             "reply"),
+    (lambda r: _stale(r, "boot", "another-boot"), "{s} runs on another host: " +
+                                                  host_mod.ACROSS_HOSTS),
     (lambda r: _stale(r, "pidns", r["pidns"] + 1), "{s} is in another pid namespace; CMA "
                                                    "cannot address it"),
     (lambda r: _stale(r, "lens", r["lens"][1:]), "unusable registry reply from {s}: ranges and "
@@ -1575,8 +1577,8 @@ def _stale(reply: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
      "registry at {s} refused: segments ['c', 's1', 's2'] are not pid {pid}'s"),
     (lambda r: _stale(r, "ctl", f"sfa_rd2h.{r['pid']}.0.ctl/../x"),
      "unusable registry reply from {s}: refusing shm name 'sfa_rd2h.{pid}.0.ctl/../x'"),
-], ids=["version", "no-pid", "boot", "pidns", "lens", "pid-0", "pid-str", "pid-other", "ctl",
-        "pid-1", "shm", "first-three", "ctl-name"])
+], ids=["version", "refusal", "refusal-not-text", "boot", "pidns", "lens", "pid-0", "pid-str",
+        "pid-other", "ctl", "pid-1", "shm", "first-three", "ctl-name"])
 def test_a_registry_answer_that_cannot_be_used_is_named(
         tamper: Any, why: str, caplog: pytest.LogCaptureFixture) -> None:
     """Whatever is wrong with a registry's answer, the read fails as unreachable and says
@@ -2047,13 +2049,17 @@ def test_the_registry_tells_a_remote_client_it_serves_this_host_only(
         session = eng.initialize("127.0.0.1")
         monkeypatch.setattr(host_mod, "_is_local_client", lambda conn: False)
         with _ask(int(session.rsplit(":", 1)[1])) as c:
-            assert host_mod._recv_frame(c) == {
-                "error": "the host engine serves readers on this host only"}
+            refusal = host_mod._recv_frame(c)
+        assert refusal == {"error": "the host engine serves readers on this host only: " +
+                                    host_mod.ACROSS_HOSTS}
+        assert "mooncake" in refusal["error"] and "memfabric" in refusal["error"]
         dst, base = _dest(reader, 64)
         assert reader.batch_transfer_sync_read(session, [base], [base], [8]) == (
             TransferResult.PEER_UNREACHABLE)
-        assert reader.last_error == (f"PEER_UNREACHABLE: unusable registry reply from {session}: "
-                                     "not a version-1 registry reply")
+        # The registry's reason reaches the reader's error whole (it was "not a version-1
+        # registry reply" before, which named no cause and no way out).
+        assert reader.last_error == (f"PEER_UNREACHABLE: registry at {session} refused: "
+                                     f"{refusal['error']}")
     finally:
         reader.close()
         eng.close()

@@ -72,6 +72,10 @@ _NAME_RE = re.compile(r"^sfa_rd2h\.[0-9]+\.[0-9a-f]+\.(ctl|[0-9]+)$")
 _MAX_FRAME = 64 << 20
 _WIRE_VERSION = 1
 _MAX_LINGERING = 64  # answered registry connections kept open for their reader to verify
+# Said wherever a reader turns out not to share this host with its peer: the host engine
+# copies memory between processes of one machine, so it cannot be the engine across hosts.
+ACROSS_HOSTS = ("the host engine reads only processes on its own host (not across hosts or "
+                "network namespaces); across hosts use the mooncake (TCP) or memfabric engine")
 REGISTRY_TIMEOUT_S = 5.0  # a reader's whole registry round trip (connect, ask, answer)
 REGISTRY_IO_S = 2.0  # the registry server: one read or write of a client, and its linger
 _IDLE_SELECT_S = 3600.0  # nothing lingers: wait for a client or the wake-up (re-armed hourly)
@@ -472,7 +476,8 @@ class _RegistryServer:
         try:
             req = _recv_frame(conn)
             if not _is_local_client(conn):
-                reply = {"error": "the host engine serves readers on this host only"}
+                reply = {"error": f"the host engine serves readers on this host only: "
+                                  f"{ACROSS_HOSTS}"}
             elif isinstance(req, dict) and req.get("op") == "describe":
                 reply = self._describe()
             else:
@@ -735,6 +740,13 @@ class HostEngine(TransferEngine):
                 refused = self._unproven(reply, _server_socket_inode(sock))
         except (OSError, ValueError, msgpack.UnpackException) as exc:
             return TransferResult.PEER_UNREACHABLE, f"no registry answers at {session}: {exc}"
+        if isinstance(reply, dict) and "v" not in reply and isinstance(reply.get("error"), str):
+            # The registry's own refusal (e.g. a reader on another host): its words, kept
+            # whole to the log and the failed read, never replaced by "not a reply".
+            said = reply["error"][:300]
+            said += "" if ACROSS_HOSTS in said else f" ({ACROSS_HOSTS})"
+            log.warning("host engine refuses %s: %s", session, said)
+            return TransferResult.PEER_UNREACHABLE, f"registry at {session} refused: {said}"
         try:
             if refused:
                 log.warning("host engine refuses %s: %s", session, refused)
@@ -775,7 +787,7 @@ class HostEngine(TransferEngine):
         boot, pidns = _host_identity()
         if reply["boot"] != boot:
             return (TransferResult.PEER_UNREACHABLE,
-                    f"{session} runs on another host; the host engine only reads locally")
+                    f"{session} runs on another host: {ACROSS_HOSTS}")
         same_pidns = reply["pidns"] == pidns
         if self.mode == "cma" and not same_pidns:
             return (TransferResult.PEER_UNREACHABLE,

@@ -427,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
     p.set_defaults(func=cmd_mutants)
 
+    from sfa_rd2h.runtime.tools.bench.serving import add_vllm_bench_parser
     from sfa_rd2h.runtime.tools.bench.suite import add_bench_parser
     from sfa_rd2h.runtime.tools.demo import add_demo_parser
     from sfa_rd2h.runtime.tools.hosts import add_hosts_parser
@@ -437,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_parser(sub)
     add_vllm_demo_parser(sub)
+    add_vllm_bench_parser(sub)
     add_validate_parser(sub)
     add_probe_parser(sub)
     add_hosts_parser(sub)

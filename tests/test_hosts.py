@@ -1,0 +1,202 @@
+"""Test hosts (``sfa-rd2h hosts``): one network namespace per host, and the data plane
+across them.
+
+A lab is made and removed whole - even when the test using it fails - leaving no namespace,
+link or process behind and touching none of the machine's own interfaces; hosts reach each
+other only at their addresses, never through a shared loopback; a link can be cut and
+restored. Across two hosts ``probe --engine mooncake`` moves and verifies every byte over TCP,
+and ``probe --engine host`` (which copies between processes of one machine) fails at once
+with the registry's reason, naming the engines that do work across hosts (issue 19)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from netns_support import MADE, hosts, lab_name, left_behind, require_namespaces  # noqa: F401
+
+from sfa_rd2h.runtime.tools import cli
+from sfa_rd2h.runtime.tools import hosts as hosts_mod
+
+pytestmark = pytest.mark.e2e
+
+SFA = [sys.executable, "-m", "sfa_rd2h.runtime.tools.cli"]
+# A server on (host, port 0) that prints its port, then answers each connection with "hi"
+# until its stdin closes.
+_SERVER = r"""
+import select, socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+while sys.stdin not in select.select([s, sys.stdin], [], [])[0]:
+    c, _ = s.accept()
+    c.sendall(b"hi")
+    c.close()
+"""
+# Connect to (host, port) within the timeout; print what came back, or the error's name.
+_CLIENT = r"""
+import socket, sys
+try:
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])) as c:
+        print(c.recv(2).decode())
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left() -> Iterator[None]:
+    yield
+    assert left_behind(sorted(MADE)) == []  # no namespace any test of this module made
+
+
+def _links() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+    return sorted(line.split(":")[1].strip() for line in out.stdout.splitlines())
+
+
+def _serve(lab: hosts_mod.Lab, host: str, address: str) -> tuple[subprocess.Popen, int]:
+    server = lab.popen(host, [sys.executable, "-c", _SERVER, address], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    return server, int(server.stdout.readline())
+
+
+def _connect(lab: hosts_mod.Lab, host: str, address: str, port: int, timeout: float) -> str:
+    out = lab.run(host, [sys.executable, "-c", _CLIENT, address, str(port), str(timeout)],
+                  capture_output=True, text=True, timeout=timeout + 60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_lab_is_made_and_removed_whole(hosts) -> None:  # noqa: F811
+    before = _links()
+    lab = hosts("proxy", "prefill", "decode")
+    assert [h.address for h in lab.hosts.values()] == ["10.203.0.1", "10.203.0.2",
+                                                        "10.203.0.3"]
+    for h in lab.hosts.values():
+        out = lab.run(h.name, ["ip", "-br", "addr"], capture_output=True, text=True, check=True)
+        state = {line.split()[0].split("@")[0]: line.split()[1:] for line in
+                 out.stdout.splitlines()}
+        assert set(state) == {"lo", "eth0"}  # its loopback and its one link, nothing else
+        assert f"{h.address}/24" in state["eth0"] and state["eth0"][0] == "UP"
+        assert "127.0.0.1/8" in state["lo"]
+    assert _links() == before  # the machine's own interfaces: none added
+    sleeper = lab.popen("decode", ["sleep", "300"])
+    assert lab.pids()["decode"] == [sleeper.pid]
+    removed = lab.down()
+    assert sorted(removed) == sorted([lab.hub, *(h.netns for h in lab.hosts.values())])
+    assert sleeper.wait(10) == -9  # killed with its host
+    assert left_behind([lab.name]) == [] and _links() == before
+    assert lab.down() == []  # again: nothing to do
+
+
+def test_a_failing_test_still_removes_its_lab() -> None:
+    require_namespaces()
+    name = lab_name()
+    MADE.add(name)
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with hosts_mod.Lab.up(["prefill", "decode"], name) as lab:
+            sleeper = lab.popen("prefill", ["sleep", "300"])
+            raise RuntimeError("the test failed")
+    assert sleeper.wait(10) == -9
+    assert left_behind([name]) == []
+
+
+def test_hosts_meet_at_their_addresses_and_never_through_loopback(hosts) -> None:  # noqa: F811
+    lab = hosts("a", "b")
+    a = lab["a"].address
+    local, local_port = _serve(lab, "a", "127.0.0.1")
+    public, port = _serve(lab, "a", a)
+    try:
+        assert _connect(lab, "a", "127.0.0.1", local_port, 10) == "hi"  # a's own loopback
+        # b's 127.0.0.1 is b's: a's loopback listener is not there
+        assert _connect(lab, "b", "127.0.0.1", local_port, 10) == "ConnectionRefusedError"
+        assert _connect(lab, "b", a, port, 10) == "hi"
+    finally:
+        for server in (local, public):
+            server.communicate("q", timeout=30)
+
+
+def test_a_cut_link_carries_nothing_until_restored(hosts) -> None:  # noqa: F811
+    lab = hosts("a", "b")
+    server, port = _serve(lab, "a", lab["a"].address)
+    try:
+        lab.cut("a")
+        assert _connect(lab, "b", lab["a"].address, port, 1.0) in (
+            "TimeoutError", "OSError")  # no answer at all while the link is down
+        lab.restore("a")
+        assert _connect(lab, "b", lab["a"].address, port, 20) == "hi"
+    finally:
+        server.communicate("q", timeout=30)
+
+
+def _probe(lab: hosts_mod.Lab, engine: str, tmp_path: Path) -> tuple[dict, dict]:
+    """probe's prefill role on host 'prefill', its decode role on 'decode': both reports."""
+    rv = tmp_path / f"{engine}.json"
+    common = ["probe", "--engine", engine, "--rendezvous", str(rv), "--bytes", "8M",
+              "--block-bytes", "1M", "--repeats", "2", "--timeout", "60", "--json"]
+    prefill = lab.popen("prefill", [*SFA, *common, "--role", "prefill",
+                                    "--host", lab["prefill"].address],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    decode = lab.run("decode", [*SFA, *common, "--role", "decode",
+                                "--host", lab["decode"].address],
+                     capture_output=True, text=True, timeout=120)
+    out, err = prefill.communicate(timeout=120)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert decode.stdout.strip(), decode.stderr[-2000:]
+    return lines[-1], json.loads(decode.stdout.strip().splitlines()[-1])
+
+
+def test_probe_moves_every_byte_across_hosts_over_mooncake(hosts, tmp_path: Path) -> None:  # noqa: F811
+    pytest.importorskip("mooncake")
+    lab = hosts("prefill", "decode")
+    served, read = _probe(lab, "mooncake", tmp_path)
+    assert read["ok"] and read["verified"], read
+    assert read["bytes"] == 8 << 20 and read["gbps"] > 0
+    # the session the reader used is the Prefill host's own address, not a loopback one
+    assert read["peer"].startswith(lab["prefill"].address + ":"), read
+    assert served["ok"], served
+
+
+def test_the_host_engine_across_hosts_says_why_and_what_works(hosts, tmp_path: Path) -> None:  # noqa: F811
+    lab = hosts("prefill", "decode")
+    served, read = _probe(lab, "host", tmp_path)
+    assert not read["ok"], read
+    for words in ("serves readers on this host only", "mooncake", "memfabric"):
+        assert words in read["error"], read["error"]
+    assert not served["ok"] and served["reader"]["error"] == read["error"], served
+
+
+def test_the_hosts_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    require_namespaces()
+    name = lab_name()
+    MADE.add(name)
+    try:
+        assert cli.main(["hosts", "--lab", name, "up", "prefill", "decode"]) == 0
+        made = json.loads(capsys.readouterr().out)
+        assert made["hosts"]["decode"]["netns"] == f"{name}-decode"
+        assert cli.main(["hosts", "--lab", name, "up", "x"]) == 2
+        assert f"lab {name!r} exists already" in capsys.readouterr().err
+        assert json.loads(_list(name, capsys)) == made
+        out = tmp_path / "addr"
+        assert cli.main(["hosts", "--lab", name, "run", "decode", "--", "sh", "-c",
+                         f"ip -br addr > {out}"]) == 0
+        assert made["hosts"]["decode"]["address"] in out.read_text()
+        assert cli.main(["hosts", "--lab", name, "run", "nohost", "--", "true"]) == 2
+        assert f"lab {name!r} has no host 'nohost'" in capsys.readouterr().err
+    finally:
+        assert cli.main(["hosts", "--lab", name, "down"]) == 0
+    assert capsys.readouterr().out.startswith("removed: ")
+    assert cli.main(["hosts", "--lab", name, "list"]) == 2
+    assert f"no lab {name!r} is up" in capsys.readouterr().err
+
+
+def _list(name: str, capsys: pytest.CaptureFixture) -> str:
+    assert cli.main(["hosts", "--lab", name, "list"]) == 0
+    return capsys.readouterr().out
