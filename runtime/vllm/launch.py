@@ -450,6 +450,9 @@ class Deployment:
     decode_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     request_timeout_s: float = 120.0
     rendezvous_timeout_s: float = 60.0
+    # VLLM_CPU_OMP_THREADS_BIND per engine (Prefill first); default cpu_binds over its own
+    # engines. A caller running other engines beside it passes binds over all of them.
+    binds: list[str] | None = None
     servers: dict[str, EngineServer] = field(default_factory=dict)  # prefill, decode, ...
     proxies: dict[str, Any] = field(default_factory=dict)  # Decode name -> DisaggProxy
     reference: ReferenceRun | None = None
@@ -481,7 +484,9 @@ class Deployment:
         ports = free_ports(1 + 2 * len(decodes), self.host)
         # Stats lines every second, so the figures of the last requests reach the log soon.
         env = {"VLLM_LOG_STATS_INTERVAL": "1"}
-        binds = cpu_binds(1 + len(decodes))
+        binds = self.binds or cpu_binds(1 + len(decodes))
+        if len(binds) != 1 + len(decodes):
+            raise ValueError(f"binds: {len(binds)} given for {1 + len(decodes)} engines")
         try:
             # Prefill learns Decode's kv_port from the rendezvous; its own only has to be valid.
             self.servers["prefill"] = launch_engine(

@@ -241,6 +241,11 @@ class DisaggProxy:
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def jobs_in_flight(self) -> int:
+        """Completions the proxy still tracks (a finished run must leave none)."""
+        return len(self._jobs)
+
+    @property
     def metaserver_url(self) -> str:
         """Where Decode's connector posts its rendezvous."""
         return f"{self.url}/v1/metaserver"
@@ -504,6 +509,7 @@ class DisaggProxy:
         chunks = resp.aiter_raw()
         outcome = "ok"
         first = not streaming  # a non-streamed 200 is already Decode's final answer
+        nxt: asyncio.Future[bytes] | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(chunks.__anext__())
@@ -533,6 +539,14 @@ class DisaggProxy:
                 yield _sse_error(failure.status, failure.message, failure.err_type)
                 break
         finally:
+            if nxt is not None and not nxt.done():
+                # The client left mid-stream (Starlette cancelled this generator): closing
+                # Decode's stream below fails the pending read with ReadError, which nobody
+                # awaits any more - retrieve it here instead of "Task exception was never
+                # retrieved" in the log.
+                nxt.add_done_callback(_retrieve)
+                nxt.cancel()
+                outcome = "client gone"
             await resp.aclose()
             job.times["done"] = loop.time()
             # Decode answered: Prefill calls still running (its 1-token answer can trail
@@ -707,6 +721,12 @@ async def _settle(task: asyncio.Future[Any]) -> Any:
         return await task
     except (asyncio.CancelledError, Exception):  # only unwinding here; the caller decides
         return None
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark an abandoned read's outcome as seen (it is the client's leaving, not a bug)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _sse_error(status: int, message: str, err_type: str) -> bytes:

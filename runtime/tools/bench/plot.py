@@ -190,3 +190,78 @@ def write_charts(rep: dict[str, Any], out_dir: str) -> list[str]:
         _draw(chart, path, note)
         paths.append(path)
     return paths
+
+
+# ---------------------------------------------------------------------------- vllm-bench
+
+SERVING_FILES = ("ttft_cdf.png", "throughput_vs_concurrency.png", "sfa_ttft_breakdown.png")
+
+
+def _titled(title: str, note: str) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    fig.suptitle(title, fontsize=11)
+    ax.set_title(note, fontsize=8, color="#666666")
+    return fig, ax
+
+
+def write_serving_charts(rep: dict[str, Any], out_dir: str) -> list[str]:
+    """The three ``vllm-bench --plot`` charts of ``rep`` (its ``--json`` object): TTFT CDFs
+    per system (one panel per scenario), output throughput vs concurrency per system, and
+    where ``sfa``'s TTFT goes per scenario. Their paths."""
+    from matplotlib.figure import Figure
+
+    os.makedirs(out_dir, exist_ok=True)
+    note = (f"sfa-rd2h vllm-bench, {rep['workload']['requests']} requests, seed "
+            f"{rep['workload']['seed']}, {rep.get('cpus')} CPUs; medians over rounds")
+    paths = [os.path.join(out_dir, f) for f in SERVING_FILES]
+    samples = rep["ttft_samples"]
+    scenarios = list(samples)
+    fig = Figure(figsize=(4 * max(1, len(scenarios)), 4), dpi=100, layout="constrained")
+    fig.suptitle(f"TTFT CDF per system\n{note}", fontsize=10)
+    for k, sc in enumerate(scenarios):
+        ax = fig.add_subplot(1, len(scenarios), k + 1)
+        for name, xs in samples[sc].items():
+            if xs:
+                s = sorted(x * 1e3 for x in xs)
+                ax.step(s, [(i + 1) / len(s) for i in range(len(s))], where="post",
+                        label=name)
+        ax.set_title(sc, fontsize=9)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(paths[0], format="png", metadata={"Software": None})
+
+    fig, ax = _titled("output throughput vs concurrency", note)
+    for name in rep["systems"]:
+        pts = sorted((int(r["scenario"][1:]), r["throughput_tok_s"]) for r in rep["rows"]
+                     if r["system"] == name and re.fullmatch(r"c\d+", r["scenario"])
+                     and r["throughput_tok_s"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(paths[1], format="png", metadata={"Software": None})
+
+    fig, ax = _titled("where sfa's TTFT goes (median per phase)", note)
+    parts = (("client_to_rendezvous_ms", "client -> Decode's rendezvous"),
+             ("prefill_compute_and_push_ms", "Prefill compute + layer pushes"),
+             ("first_token_after_prefill_ms", "Decode's first token after Prefill"))
+    bd = rep.get("sfa_ttft_breakdown") or {}
+    cats = [sc for sc in bd if bd[sc]]
+    bottom = [0.0] * len(cats)
+    for key, label in parts:
+        ys = [max(0.0, bd[sc].get(key) or 0.0) for sc in cats]
+        ax.bar(cats, ys, bottom=bottom, label=label)
+        bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8)
+    fig.savefig(paths[2], format="png", metadata={"Software": None})
+    return paths

@@ -1,0 +1,125 @@
+"""``sfa-rd2h vllm-bench`` under load in CI (C1, C3): ``single`` and ``sfa`` side by side.
+
+One short run of the benchmark itself: 40 seeded requests (short, block-aligned, chunked,
+prompt lists, shared prefixes; streamed and not; 1-64 greedy tokens), 8 at a time, in two
+interleaved rounds per system, 10% of them cancelled by the client (half mid-stream, half
+before their first token). Every completed output must equal the single engine's reference
+token for token (a cancelled one its first tokens), every request must end (completed or
+cancelled, none failed), every engine must end with no request and no KV block held, the
+proxy with no job, and Decode must have computed no prompt token that the transfer should
+have brought. No timing is asserted: that is the benchmark's job.
+
+The workload generator is checked on its own first (no engine needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from sfa_rd2h.runtime.tools.bench import serving
+
+pytestmark = [pytest.mark.timeout(480)]
+
+SHAPE = serving.Shape(block_size=32, chunk_tokens=128, max_model_len=512, vocab=512)
+
+
+def test_workload_is_seeded_and_covers_every_kind() -> None:
+    a = serving.make_workload(40, SHAPE, seed=3)
+    assert a == serving.make_workload(40, SHAPE, seed=3)
+    assert a != serving.make_workload(40, SHAPE, seed=4)
+    kinds = {r.kind for r in a}
+    assert kinds == set(serving.KINDS)
+    for r in a:
+        n = [len(p) for p in r.prompts]
+        assert 1 <= r.max_tokens <= SHAPE.max_output
+        assert all(len(p) + SHAPE.max_output <= SHAPE.max_model_len for p in r.prompts)
+        if r.kind == "short":
+            assert n[0] < SHAPE.block_size
+        elif r.kind == "aligned":
+            assert n[0] % SHAPE.block_size == 0
+        elif r.kind == "chunked":
+            assert n[0] > SHAPE.chunk_tokens
+        elif r.kind == "list":
+            assert len(n) >= 2
+        if r.cancel is not None:
+            assert r.stream  # only a stream can be left mid-way
+        if r.cancel == "mid":
+            assert 1 <= r.cancel_after <= r.max_tokens // 2
+    assert sum(r.cancel == "mid" for r in a) == 2
+    assert sum(r.cancel == "early" for r in a) == 2
+    # shared prefixes: at least two prefix prompts start with the same two blocks
+    heads = [r.prompts[0][: 2 * SHAPE.block_size] for r in a if r.kind == "prefix"]
+    assert len(heads) > len(set(heads))
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = {"systems": "single,sfa", "requests": 10, "concurrency": "1,4", "rate": None,
+            "rounds": 2, "cancel": 0.1, "chunk_tokens": 128, "seed": 0, "timeout": 60.0}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"systems": "sfa"}, "must include single"),
+    ({"systems": "single,bogus"}, "unknown system(s) bogus"),
+    ({"concurrency": "1,x"}, "expected comma-separated integers"),
+    ({"concurrency": "0"}, ">= 1"),
+    ({"cancel": 1.5}, "--cancel in [0, 1]"),
+])
+def test_bad_arguments_are_named(kw: dict[str, object], words: str) -> None:
+    got = serving._config(_args(**kw))
+    assert isinstance(got, str) and words in got
+
+
+def test_arguments_become_the_config() -> None:
+    cfg = serving._config(_args(rate=2.5))
+    assert isinstance(cfg, serving.BenchConfig)
+    assert (cfg.systems, cfg.sweep, cfg.rate, cfg.rounds) == (("single", "sfa"), (1, 4), 2.5, 2)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("vllm")
+    from vllm_platform import require_cpu_platform
+
+    require_cpu_platform()
+    work: Path = tmp_path_factory.mktemp("vllm-bench")
+    cfg = serving.BenchConfig(systems=("single", "sfa"), requests=40, sweep=(8,), rounds=2,
+                              seed=0, cancel_frac=0.10, timeout_s=420.0)
+    return serving.run_bench(cfg, work)
+
+
+@pytest.mark.e2e
+def test_every_output_equals_single_and_every_request_ends(report: dict) -> None:
+    rows = {r["system"]: r for r in report["rows"]}
+    assert set(rows) == {"single", "sfa"}
+    for name, row in rows.items():
+        assert row["mismatches"] == [], name
+        assert row["equal"], name
+        assert row["requests"] == 40, name
+        assert row["cancelled"] == 4, name  # 2 mid-stream, 2 before the first token
+        assert row["failed"] == 0, (name, row["mismatches"])
+        assert row["completed"] + row["cancelled"] == row["requests"], name
+    assert report["equal"] and report["requests"] == 80 and report["failed"] == 0
+
+
+@pytest.mark.e2e
+def test_nothing_is_leaked_or_left_waiting(report: dict) -> None:
+    assert report["leaked_blocks"] == 0
+    assert report["drained"]  # every engine: no running, no waiting request, 0% KV in use
+    assert report["jobs_left"] == 0  # the proxy tracks no completion
+    for row in report["rows"]:
+        assert row["leaked_blocks"] == 0 and row["drained"] and row["jobs_left"] == 0
+
+
+@pytest.mark.e2e
+def test_decode_got_every_prompt_from_the_transfer(report: dict) -> None:
+    assert report["recomputed_tokens"] == 0
+    stats = report["connector_stats"]["sfa"]
+    # Decode received KV for every completed prompt (cancelled ones may or may not have it).
+    completed = next(r for r in report["rows"] if r["system"] == "sfa")["completed"]
+    assert stats["decode"].get("requests_received", 0) >= completed
+    assert stats["decode"].get("requests_failed", 0) == 0
+    assert report["sfa_ttft_breakdown"]["c8"]["jobs"] > 0
