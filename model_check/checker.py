@@ -86,13 +86,15 @@ def scopes(draw: st.DrawFn) -> Scope:
     groups = draw(st.lists(st.sampled_from([-1, 0]), min_size=n_req, max_size=n_req))
     requests = tuple(draw(request_specs(g)) for g in groups)
     ratio = p_tp // d_tp
-    special = draw(st.sampled_from(["none", "none", "none", "legacy", "mismatch"]))
+    # "empty" took the places of two "none"s: the same draws pick the same deployments
+    special = draw(st.sampled_from(["none", "empty", "empty", "legacy", "mismatch"]))
     return Scope(
         p_tp=p_tp, d_tp=d_tp, n_layers=n_layers, n_slots=n_slots, indexer=indexer,
         scale=scale, requests=requests,
         layout_mismatch_layer=draw(st.integers(0, n_layers - 1)) if special == "mismatch"
         else None,
         legacy_rank=1 if special == "legacy" and ratio >= 2 else None,
+        empty_entries=special == "empty" and any(len(r.chunks) > 1 for r in requests),
         d_instances=draw(st.integers(1, 2)),
         max_faults=draw(st.integers(0, 3)),
         fault_kinds=fault_kinds,
@@ -179,6 +181,8 @@ def describe_scope(s: Scope) -> str:
     extra = []
     if s.legacy_rank is not None:
         extra.append(f"P{s.legacy_rank} runs a legacy build")
+    if s.empty_entries:
+        extra.append("Prefill sends zero-block entries")
     if s.layout_mismatch_layer is not None:
         extra.append(f"Decode layout of layer {s.layout_mismatch_layer} differs")
     return (f"p_tp={s.p_tp} d_tp={s.d_tp}, {s.n_layers} layers on {s.n_slots} slot(s), "

@@ -15,6 +15,7 @@ drive this one class.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,9 @@ class Scope:
     requests: tuple[RequestSpec, ...] = (RequestSpec(6, (6,)), RequestSpec(4, (4,)))
     layout_mismatch_layer: int | None = None  # Decode registered another block size (L1)
     legacy_rank: int | None = None  # a Prefill rank running a pre-unequal-TP build (W4, T1)
+    # Prefill ranks also send an entry with both lists empty for a chunk that completed no
+    # block, as a Prefill outside the project may: Decode must skip it, not fail (T6)
+    empty_entries: bool = False
     d_instances: int = 1  # Decode instances; request i goes to instance i % d_instances
     # Swarm testing: each run allows a few fault kinds, which finds bugs that need one
     # kind repeated far sooner than spreading the fault budget over all of them.
@@ -104,6 +108,22 @@ class LegacyPrefillCore(PrefillCore):
         fields = msgpack.unpackb(super()._encode_ready(frames, layer_idx, layer_name, done),
                                  raw=False)
         return msgpack.packb(fields[:5], use_bin_type=True)
+
+
+class _EmptyEntries:
+    """Mixed into a Prefill core: a chunk that completed no block still gets an entry,
+    with both lists empty, in every READY of its step (upstream's Prefill never sends one,
+    upstream's Decode skips one; T6)."""
+
+    def _entry(self, req, start, stop):  # type: ignore[no-untyped-def]
+        entry = super()._entry(req, start, stop)  # type: ignore[misc]
+        return wire.ReadReq(req.ext_req_id, (), (), start, start) if entry is None else entry
+
+
+@functools.cache
+def with_empty_entries(cls: type[PrefillCore]) -> type[PrefillCore]:
+    """``cls`` (a seeded bug's core included) sending zero-block entries."""
+    return type(f"EmptyEntries{cls.__name__}", (_EmptyEntries, cls), {})
 
 
 @dataclass
@@ -312,6 +332,8 @@ class Cluster:
 
     def _new_prefill(self, p: int) -> PrefillCore:
         cls = LegacyPrefillCore if p == self.scope.legacy_rank else self.prefill_cls
+        if self.scope.empty_entries:
+            cls = with_empty_entries(cls)
         return cls(p, self.mapping, f"p{p}:1", self.layer_meta, block_size=BLOCK_TOKENS,
                    observer=self._tracer(f"prefill{p}", role="prefill", rank=p))
 
@@ -960,7 +982,8 @@ def scope_to_json(scope: Scope) -> dict:
         "requests": [[r.tokens, list(r.chunks), r.cached_tokens, r.group]
                      for r in scope.requests],
         "layout_mismatch_layer": scope.layout_mismatch_layer,
-        "legacy_rank": scope.legacy_rank, "d_instances": scope.d_instances,
+        "legacy_rank": scope.legacy_rank, "empty_entries": scope.empty_entries,
+        "d_instances": scope.d_instances,
         "max_faults": scope.max_faults, "fault_kinds": sorted(scope.fault_kinds),
     }
 

@@ -22,7 +22,7 @@ from sfa_rd2h.spec.params import RemoteDecode
 from sfa_rd2h.spec.topology import Cuts, decode_cuts, indexer_share
 from sfa_rd2h.statemachines.cores.decode import DecodeCore, DecodeRequest, ServedReady
 from sfa_rd2h.statemachines.cores.prefill import PrefillCore, PrefillRequest
-from sfa_rd2h.statemachines.models import SlotGate
+from sfa_rd2h.statemachines.models import LayerRead, SlotGate
 
 
 # ---------------------------------------------------------------- Prefill defects
@@ -177,6 +177,21 @@ class SilentEmptyLayer(DecodeCore):
         return ready.read.n_reads > 0
 
 
+class EmptyEntryFailsLayer(DecodeCore):
+    """T6: an entry with both lists empty fails the whole layer (this project's Decode did
+    so once) instead of being skipped as upstream's Decode skips it."""
+
+    def _on_ready(self, peer: str, msg: wire.ReadReadyBatch, now: float,
+                  payload: bytes = b"") -> list:
+        empty = next((e.ext_req_id for e in msg.read_reqs
+                      if not len(e.p_main_block_ids) and not len(e.p_indexer_block_ids)), None)
+        if empty is None or peer not in self.connections:
+            return super()._on_ready(peer, msg, now, payload)
+        read = self._reads.start(LayerRead(self._read_key(peer, msg.layer_idx), msg.layer_idx))
+        return self._reject(ServedReady(peer, msg, read, trusted=True),
+                            f"T6: entry for {empty!r} carries no block at all")
+
+
 class FailedReadReportedDone(DecodeCore):
     """F2: a non-zero transfer result is treated as success."""
 
@@ -271,6 +286,8 @@ BUGS: tuple[SeededBug, ...] = (
               decode=LateReadAccepted, scope_hint="slow reader"),
     SeededBug("final_after_lost_layer", ("S7", "R1"), FinalAfterLostLayer.__doc__,
               prefill=FinalAfterLostLayer, scope_hint="slow reader or restart"),
+    SeededBug("empty_entry_fails_layer", ("T6",), EmptyEntryFailsLayer.__doc__,
+              decode=EmptyEntryFailsLayer, scope_hint="zero-block entries"),
 )
 
 BY_NAME = {b.name: b for b in BUGS}

@@ -87,7 +87,10 @@ RULES: tuple[Rule, ...] = (
              "chunks rotate across ranks.", "sfa_rd2h.spec.topology:main_share"),
     _r("T6", "Prefill sends every contributor the request's full chunk block lists; each "
              "Decode rank cuts its own share (T2, T3, T5) when it plans the read, as the "
-             "upstream Decode does.", "sfa_rd2h.spec.topology:decode_cut"),
+             "upstream Decode does. An entry that leaves this rank nothing to read (a small "
+             "chunk, or both lists empty) is a local no-op, not an error: the other entries "
+             "are read, and a READY that leaves nothing at all is still answered READ_DONE "
+             "(S3).", "sfa_rd2h.spec.topology:decode_cut"),
     # Ports
     _r("P1", "Only Decode binds: base = kv_port + global_dp_rank * tp_size, rank port = base "
              "+ tp_rank, with the global DP rank.", "sfa_rd2h.spec.topology:decode_base_port"),

@@ -213,12 +213,40 @@ def test_a_destination_range_past_the_registered_blocks_fails_the_layer(
     assert wire.decode(reply).error == error
 
 
-def test_an_entry_without_blocks_fails_the_layer():  # T6, like the upstream Decode
+def test_an_entry_without_blocks_is_a_no_op_for_this_rank():  # T6, T4, S3
+    """As the upstream Decode does: an entry with both lists empty is skipped (nothing read
+    for it, nothing failed), the other entries of its READY are read as usual, and a READY
+    of such entries alone is still answered READ_DONE so Prefill's slot is reused."""
     d = decode()
     d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.register_request("r2", [30, 31], [40, 41], 0.0)
     d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-    [reply] = sends(d.on_frame("p", ready(reqs=(("r1", (), (), 0, 0),)), 0.0))
-    assert "T6: entry for 'r1' carries no block at all" in wire.decode(reply).error
+    [read] = d.on_frame("p", ready(reqs=(("r1", (), (), 0, 0), ("r2", (5,), (6,), 0, 0))),
+                        0.0)
+    assert _read_positions(read, 0x900000, MAIN) == [30]  # main K of r2 only
+    assert _read_positions(read, 0x920000, IDX) == [40]
+    assert sends(d.read_result(read.read_id, 0, 0.0)) == [wire.encode(wire.ReadDone(0))]
+    actions = d.on_frame("p", ready(layer=1, reqs=(("r1", (), (), 0, 0),), done=("r1",)), 0.0)
+    assert sends(actions) == [wire.encode(wire.ReadDone(1))]
+    assert not any(isinstance(a, IssueRead) for a in actions)
+    assert RequestReady("r1", True) in actions  # its final counted, nothing failed it
+    assert d.local_outcome("r2") is None  # still registered, waiting for its final
+    assert d.stats.replies == {"done": 2, "failed": 0}
+
+
+def test_an_entry_without_blocks_waits_for_nothing_but_keeps_its_range_checked():  # T6, L1, C1
+    """An empty entry of a request Decode does not know needs no destinations, so its
+    READY is answered at once instead of waiting (C1) for them; skipping an empty entry
+    is no licence for a malformed one: its destination start is still checked."""
+    d = decode(destination_wait=1.0)
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    actions = d.on_frame("p", ready(reqs=(("r9", (), (), 0, 0),)), 0.0)
+    assert actions == [Send("p", wire.encode(wire.ReadDone(0)))]
+    assert not d.has_waiting_reads() and d.stats.skipped_entries == 1
+    [reply] = sends(d.on_frame("p", ready(reqs=(("r1", (), (), 3, 0),)), 0.0))
+    assert wire.decode(reply).error == ("L1: main destination range [3, 3) outside the 2 "
+                                        "registered blocks")
 
 
 def test_every_mf_meta_is_answered():  # W1, F3

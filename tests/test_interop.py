@@ -731,10 +731,10 @@ def test_broken_layer_map_is_refused_naming_the_problem(
 
 
 DEGENERATE_READIES = [
-    # An entry whose main and indexer lists are both empty is an error for its layer (T6
-    # leaves nothing for a sender to omit) ...
-    ("entry-without-blocks", [["req-a", [], [], 0, 0]], READ_FAILED),
-    # ... while a READY that asks for nothing is still acknowledged (T4, S3).
+    # An entry whose main and indexer lists are both empty is skipped, as upstream's Decode
+    # skips it (T6): nothing to read, no destinations to wait for, the READY acknowledged;
+    # and so is a READY that asks for nothing (T4, S3).
+    ("entry-without-blocks", [["req-a", [], [], 0, 0]], READ_DONE),
     ("no-entries", [], READ_DONE),
 ]
 

@@ -308,13 +308,11 @@ class DecodeCore:
             self._validate_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
-        empty = next((e.ext_req_id for e in msg.read_reqs
-                      if not e.p_main_block_ids and not e.p_indexer_block_ids), None)
-        if empty is not None:
-            return self._reject(ready, f"T6: entry for {empty!r} carries no block at all")
+        # T6: an entry with both lists empty reads nothing, so it waits for no destinations
         missing = frozenset(
             e.ext_req_id for e in msg.read_reqs
-            if e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
+            if (len(e.p_main_block_ids) or len(e.p_indexer_block_ids))
+            and e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
             and e.ext_req_id not in self._failed_unregistered
             and not self._maybe_failed(e.ext_req_id))
         if missing:

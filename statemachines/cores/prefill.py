@@ -203,8 +203,8 @@ class PrefillCore:
 
     def _entry(self, req: PrefillRequest, start: int, stop: int) -> wire.ReadReq | None:
         """T6: every member sends the chunk's full lists and Decode cuts its share, as
-        upstream does; a chunk that completed no block sends no entry (an entry with no
-        blocks at all is an error for the layer at an upstream Decode)."""
+        upstream does; a chunk that completed no block sends no entry, as upstream's
+        Prefill does (a Decode skips such an entry, so sending one would only cost bytes)."""
         if stop == start:
             return None
         return wire.ReadReq(req.ext_req_id, tuple(req.main_ids[start:stop].tolist()),
