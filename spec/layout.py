@@ -256,14 +256,29 @@ def validate_dest_range(dest_block_ids: Any, capacity: int, what: str) -> np.nda
             f"L1: {what} destination block id {bad} is outside 0..{capacity - 1} "
             f"(capacity {capacity})"
         )
-    if ids.size > 1:
+    if ids.size > 1 and not _distinct(ids, capacity):
         srt = np.sort(ids)
         dup = np.flatnonzero(srt[1:] == srt[:-1])
-        if dup.size:
-            raise LayoutError(
-                f"L1: {what} destination block id {int(srt[dup[0]])} appears more than once"
-            )
+        raise LayoutError(
+            f"L1: {what} destination block id {int(srt[dup[0]])} appears more than once"
+        )
     return ids
+
+
+def _distinct(ids: np.ndarray, capacity: int) -> bool:
+    """Whether ``ids`` (all in ``0..capacity-1``) are pairwise distinct, in O(n) where a sort
+    would cost O(n log n): a strictly increasing list (every run of a request) proves it in
+    one comparison pass, any other by marking a bitmap of the capacity, when that is not far
+    larger than the list. Only a refusal sorts, to name the smallest repeated id."""
+    steps = ids[1:] > ids[:-1]
+    if steps.all():
+        return True
+    if capacity <= 64 * ids.size:
+        seen = np.zeros(capacity, dtype=bool)
+        seen[ids] = True
+        return int(np.count_nonzero(seen)) == ids.size
+    srt = np.sort(ids)
+    return not (srt[1:] == srt[:-1]).any()
 
 
 def validate_src_range(src_block_ids: Any, num_blocks: int | None, what: str) -> np.ndarray:
@@ -363,30 +378,63 @@ def concat(plans: Iterable[ReadPlan]) -> ReadPlan:
     ).coalesced()
 
 
-def _group_descs(
-    src: _SrcTensors,
-    dst: DestLayout,
-    tensors: range,
-    src_ids: np.ndarray,
-    dst_ids: np.ndarray,
-    name: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-block descriptors for the tensors of one group, tensor after tensor:
-    ``base + id * block_bytes`` on each side, built for all tensors in one numpy pass."""
-    # Check the highest address in Python ints: uint64 arithmetic would wrap silently.
+def _check_group_addrs(src: _SrcTensors, dst: DestLayout, tensors: range, src_ids: np.ndarray,
+                       dst_ids: np.ndarray, name: str) -> None:
+    """Check the highest address of each tensor of one group in Python ints: uint64
+    arithmetic would wrap silently."""
     top = {"prefill": int(src_ids.max()) + 1, "decode": int(dst_ids.max()) + 1}
     for t in tensors:
         nbytes = src.ext_block_bytes[t]
         for side, base in (("prefill", src.base_addrs[t]), ("decode", dst.base_addrs[t])):
             if base + top[side] * nbytes - 1 > _U64_MAX:
                 raise LayoutError(f"L1: {name} tensor {t} {side} address overflows 64 bits")
-    nbytes = np.array([src.ext_block_bytes[t] for t in tensors], dtype=np.uint64)
-    peer_base = np.array([src.base_addrs[t] for t in tensors], dtype=np.uint64)
-    local_base = np.array([dst.base_addrs[t] for t in tensors], dtype=np.uint64)
-    # rows are tensors, columns blocks: ravel() keeps the tensor-after-tensor order
-    peer = peer_base[:, None] + src_ids.astype(np.uint64)[None, :] * nbytes[:, None]
-    local = local_base[:, None] + dst_ids.astype(np.uint64)[None, :] * nbytes[:, None]
-    return local.ravel(), peer.ravel(), np.repeat(nbytes, src_ids.size)
+
+
+def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of one group's id pairs: the ids where a run starts and each run's length.
+
+    Within a tensor, block ``k+1``'s descriptor continues block ``k``'s on both sides exactly
+    when both ids step by one (every block of a tensor has the same length), so runs found
+    once on the ids hold for each of the group's tensors."""
+    steps = (src_ids[1:] == src_ids[:-1] + 1) & (dst_ids[1:] == dst_ids[:-1] + 1)
+    if not steps.any():
+        return src_ids, dst_ids, np.ones(src_ids.size, dtype=np.uint64)
+    heads = np.flatnonzero(np.concatenate(([True], ~steps)))
+    runs = np.diff(np.append(heads, src_ids.size)).astype(np.uint64)
+    return src_ids[heads], dst_ids[heads], runs
+
+
+def _coalesced_plan(s: _SrcTensors, dst: DestLayout,
+                    groups: list[tuple[range, np.ndarray, np.ndarray]]) -> ReadPlan:
+    """The plan ``ReadPlan.coalesced`` would make of the per-block descriptors of ``groups``
+    (tensor after tensor), built from the runs' heads only, in place: no per-block
+    descriptor is built to be merged, no part built to be copied into the whole."""
+    runs = [(tensors, *_runs(sid, did)) for tensors, sid, did in groups]
+    total = sum(len(tensors) * heads.size for tensors, heads, _, _ in runs)
+    local, peer, lengths = (np.empty(total, dtype=np.uint64) for _ in range(3))
+    bounds = []  # where one tensor's descriptors end and the next one's start
+    at = 0
+    for tensors, sid, did, count in runs:
+        src_u, dst_u = sid.astype(np.uint64), did.astype(np.uint64)
+        for t in tensors:
+            end = at + count.size
+            nbytes = np.uint64(s.ext_block_bytes[t])
+            np.multiply(dst_u, nbytes, out=local[at:end])
+            local[at:end] += np.uint64(dst.base_addrs[t])
+            np.multiply(src_u, nbytes, out=peer[at:end])
+            peer[at:end] += np.uint64(s.base_addrs[t])
+            np.multiply(count, nbytes, out=lengths[at:end])
+            if at:
+                bounds.append(at)
+            at = end
+    # Across tensors (and groups) a descriptor may still continue the one before it, when
+    # the regions happen to abut: checked at each boundary, merged like coalesced() merges.
+    merged = [b for b in bounds
+              if local[b] == local[b - 1] + lengths[b - 1]
+              and peer[b] == peer[b - 1] + lengths[b - 1]]
+    if not merged:
+        return ReadPlan(local, peer, lengths)
+    return ReadPlan(local, peer, lengths).coalesced()
 
 
 def plan_layer_reads(
@@ -437,12 +485,9 @@ def plan_layer_reads(
             validate_src_range(sid, src_num_blocks[t_src], f"{name} tensor {t_src}")
         checked.append((name, tensors, sid, did))
 
-    parts = [_group_descs(s, dst, tensors, sid, did, name)
-             for name, tensors, sid, did in checked if sid.size]
-    if not parts:
+    checked = [c for c in checked if c[2].size]
+    for name, tensors, sid, did in checked:
+        _check_group_addrs(s, dst, tensors, sid, did, name)
+    if not checked:
         return ReadPlan.empty()
-    return ReadPlan(
-        np.concatenate([p[0] for p in parts]),
-        np.concatenate([p[1] for p in parts]),
-        np.concatenate([p[2] for p in parts]),
-    ).coalesced()
+    return _coalesced_plan(s, dst, [(tensors, sid, did) for _, tensors, sid, did in checked])

@@ -638,3 +638,64 @@ def test_an_unhashable_layout_is_checked_every_time_and_still_passes() -> None:
     for _ in range(2):
         validate_layer(loose, dst)
     assert len(plan_layer_reads(loose, dst, [1], [2], [3], [4])) == 4
+
+
+def _per_block_plan(src: Meta, dst: DestLayout, main: tuple[list[int], list[int]],
+                    idx: tuple[list[int], list[int]]) -> ReadPlan:
+    """One descriptor per block and tensor, tensor after tensor, then coalesced: what a
+    plan must equal, descriptor for descriptor."""
+    local, peer, lengths = [], [], []
+    for t in range(len(src.base_addrs)):
+        s_ids, d_ids = main if t < src.main_tensor_count else idx
+        ext = src.ext_block_bytes[t]
+        for s_id, d_id in zip(s_ids, d_ids, strict=True):
+            local.append(dst.base_addrs[t] + d_id * dst.block_bytes[t])
+            peer.append(src.base_addrs[t] + s_id * ext)
+            lengths.append(ext)
+    return ReadPlan(local, peer, lengths).coalesced()
+
+
+@given(data=st.data(), abut=st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_plan_is_the_coalesced_per_block_plan_also_where_tensors_abut(  # L1, C4
+        data: st.DataObject, abut: bool) -> None:
+    """Runs are found on the ids and only their heads built; where one tensor's region ends
+    where the next one's starts on both sides, a run crossing that boundary still merges
+    into one descriptor, exactly as coalescing the per-block descriptors would merge it."""
+    src, dst = make_pair(main_bytes=(4, 4), indexer_bytes=2, scale_bytes=1, num_blocks=40)
+    if abut:  # every region 40 blocks long, each tensor's region right after the previous
+        ends = np.cumsum([0, *(40 * b for b in dst.block_bytes)])
+        src = Meta(tuple(0x1000 + int(e) for e in ends[:-1]), src.block_len,
+                   src.block_size_scale, src.tensor_group_idx, 2, True)
+        dst = DestLayout(tuple(0x9000 + int(e) for e in ends[:-1]), dst.block_bytes,
+                         dst.num_blocks, 2, True, True)
+    main = data.draw(id_pairs(40))
+    idx = data.draw(id_pairs(40))
+    crossing = abut and data.draw(st.booleans())
+    if crossing:  # each tensor's last run ends its region, the next one's first run starts it
+        main = ([0, 1, 38, 39], [0, 1, 38, 39])
+        idx = ([0, 39], [0, 39])
+    plan = plan_layer_reads(src, dst, *main, *idx)
+    if crossing:  # K 0-1 | K 38-39 + V 0-1 | V 38-39 + I 0 | I 39 + S 0 | S 39
+        assert plan.lengths.tolist() == [8, 16, 10, 3, 1]
+    want = _per_block_plan(src, dst, main, idx)
+    for got, expected in zip((plan.local_addrs, plan.peer_addrs, plan.lengths),
+                             (want.local_addrs, want.peer_addrs, want.lengths), strict=True):
+        assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize(("ids", "capacity", "repeated"), [
+    ([5, 3, 5, 3], 8, 3),  # unsorted, a capacity the bitmap covers
+    ([7, 1, 7], 10_000, 7),  # unsorted, a capacity far larger than the list: sorted instead
+    ([1, 2, 2, 3], 8, 2),  # sorted but not strictly increasing
+])
+def test_a_repeated_destination_is_found_whichever_way_it_is_proved(  # L1
+        ids: list[int], capacity: int, repeated: int) -> None:
+    """Distinct ids are proved by a strictly increasing list, a bitmap of the capacity or a
+    sort; a repeat is refused by each, naming the smallest repeated id."""
+    with pytest.raises(LayoutError, match=f"destination block id {repeated} appears more "
+                                          "than once"):
+        validate_dest_range(ids, capacity, "main")
+    distinct = sorted(set(ids))
+    for order in (distinct, distinct[::-1]):
+        assert validate_dest_range(order, capacity, "main").tolist() == order
