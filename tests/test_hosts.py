@@ -200,3 +200,39 @@ def test_the_hosts_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 def _list(name: str, capsys: pytest.CaptureFixture) -> str:
     assert cli.main(["hosts", "--lab", name, "list"]) == 0
     return capsys.readouterr().out
+
+
+def test_the_demo_across_hosts_binds_and_advertises_each_hosts_own_address(
+        tmp_path: Path) -> None:
+    """``demo --hosts netns``: the proxy, the Decode ranks and the Prefill ranks each on a
+    host of their own, KV over Mooncake TCP: every byte verified, traces valid, and every
+    address a process bound or advertised is its own host's, never a loopback or wildcard
+    one (the hosts share no loopback: a wrong address would not have carried a byte)."""
+    pytest.importorskip("mooncake")
+    require_namespaces()
+    from sfa_rd2h.runtime.tools.demo import DemoConfig, run_demo
+
+    trace_dir = tmp_path / "traces"
+    cfg = DemoConfig(p_tp=2, d_tp=2, layers=4, slots=2, requests=4, block_tokens=16,
+                     chunk_tokens=32, max_tokens=128, timeout=120.0, progress=False,
+                     engine="mooncake", hosts="netns", trace_dir=str(trace_dir))
+    before = set(hosts_mod.list_namespaces())
+    result = run_demo(cfg)
+    assert result.ok and result.verified and result.trace_valid, result.summary()
+    at = result.topology["addresses"]
+    assert sorted(at) == ["decode", "prefill", "proxy"] and len(set(at.values())) == 3
+    assert all(a.startswith("10.203.0.") for a in at.values()), at
+    assert result.proxy_url.startswith(f"http://{at['proxy']}:")
+    text = "\n".join(p.read_text() for p in sorted(trace_dir.glob("*.jsonl")))
+    assert f'"endpoint":"{at["decode"]}:' in text  # Decode's ROUTER, on its host
+    for wrong in ("127.0.0.1", "0.0.0.0", "localhost"):
+        assert wrong not in text, wrong
+    assert set(hosts_mod.list_namespaces()) == before  # its lab went with it
+
+
+def test_the_demo_refuses_the_host_engine_across_hosts() -> None:
+    from sfa_rd2h.runtime.tools.demo import DemoConfig, DemoConfigError, run_demo
+
+    with pytest.raises(DemoConfigError, match="host engine reads only processes on its own "
+                                              "host.*--engine mooncake"):
+        run_demo(DemoConfig(engine="host", hosts="netns", progress=False))

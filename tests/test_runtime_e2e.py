@@ -401,7 +401,7 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_leaves_nothing(tmp_path: Path) 
     lines = [x for x in lines if x and not x.startswith("requests")]
     assert proc.returncode == 130, text
     assert len(lines) == 1 and lines[0].startswith("interrupted: stopped 4 rank process(es)"), \
-        lines
+        repr(text)
     assert "nothing left in /dev/shm" in lines[0]
     assert out == b""
     assert shm.files_of(members) == []

@@ -28,11 +28,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DEFAULT_LAB = "sfa"
 DEFAULT_SUBNET = "10.203.0.0/24"
@@ -218,6 +221,49 @@ class Lab:
             raise HostsError(f"lab {name!r} is broken: namespaces {missing} are gone "
                              f"(`sfa-rd2h hosts down --lab {name}` cleans up)")
         return cls(name, hosts, data["subnet"])
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def enter(netns: str) -> None:
+    """Move the calling thread into ``netns`` (``ip netns`` names it). A network namespace
+    belongs to a thread: sockets it opens and threads it starts afterwards are there, the
+    process's other threads stay where they were. A process that calls this first thing,
+    before it has threads, is wholly on that host."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise HostsError(f"setns into {netns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def in_netns(netns: str | None, fn: Callable[[], T]) -> T:
+    """``fn()`` run on a short-lived thread inside ``netns`` (here where None): what it binds
+    is bound there, and threads it starts stay there (e.g. a server's accept loop)."""
+    if netns is None:
+        return fn()
+    out: list[Any] = []
+
+    def body() -> None:
+        try:
+            enter(netns)
+            out.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            out.append((False, exc))
+
+    t = threading.Thread(target=body, name=f"in-{netns}")
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def list_namespaces() -> list[str]:

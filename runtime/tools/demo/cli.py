@@ -13,6 +13,7 @@ from sfa_rd2h.runtime.engines import (
 )
 from sfa_rd2h.runtime.tools.demo.run import run_demo
 from sfa_rd2h.runtime.tools.demo.workload import (
+    HOST_LAYOUTS,
     INJECTIONS,
     TP_GROUPS,
     DemoConfig,
@@ -68,6 +69,10 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-port", type=int, default=None,
                    help="Decode base port (default: a free span)")
     p.add_argument("--host", default=d.host, help="loopback or host address to use")
+    p.add_argument("--hosts", choices=HOST_LAYOUTS, default=d.hosts,
+                   help="local: every process on this host at --host; netns: the proxy, the "
+                        "Decode ranks and the Prefill ranks each on a network namespace of "
+                        "their own (root; needs an engine that works across hosts: mooncake)")
     p.add_argument("--trace-dir", default=None, help="keep the JSON-lines traces here")
     p.add_argument("--tp-group", choices=TP_GROUPS, default=d.tp_group,
                    help="how Decode ranks agree on terminal status: zmq (default, no torch "
@@ -89,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         timeout=args.timeout, kv_port=args.kv_port, trace_dir=args.trace_dir,
         block_tokens=args.block_tokens,
         chunk_tokens=args.chunk_tokens, max_tokens=args.max_tokens, host=args.host,
+        hosts=args.hosts,
         seed=args.seed, progress=not (args.json or args.quiet), tp_group=args.tp_group,
         verbose=args.verbose, reply_timeout=args.reply_timeout,
         destination_wait=args.destination_wait, read_budget=args.read_budget,
@@ -120,7 +126,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if result.interrupted:
         left = shm.files_of(result.pids.values())
         where = f"left in /dev/shm: {left}" if left else "nothing left in /dev/shm"
-        print(f"interrupted: stopped {len(result.exit_codes)} rank process(es); {where}",
+        # From the start of the line, the progress bar's remains erased: a Ctrl-C that lands
+        # inside the bar's own write leaves it unfinished, and the line would run on from it.
+        start = "\r\x1b[K" if sys.stderr.isatty() else "\r"
+        print(f"{start}interrupted: stopped {len(result.exit_codes)} rank process(es); {where}",
               file=sys.stderr)
         return 130
     return 0 if result.ok else 1

@@ -265,17 +265,18 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
     from sfa_rd2h.statemachines.cores.decode import DecodeCore
 
     cfg = plan.cfg
+    here = plan.address("decode")  # what this rank binds and advertises
     times = cfg.timeouts()
     mine = list(plan.index) if expect is None else list(expect)
     port = decode_rank_port(plan.base_port, rank, cfg.d_tp)
     name = f"decode{rank}" + (f".{incarnation}" if incarnation else "")
     with ExitStack() as stack:  # owns every resource from creation on (see prefill_rank)
         tracer = make_tracer(plan, name, role="decode", rank=rank,
-                             endpoint=f"{cfg.host}:{port}")
+                             endpoint=f"{here}:{port}")
         stack.callback(close_quietly, tracer.close)
         engine: TransferEngine = make_engine(cfg.engine, **engine_kwargs(cfg, "decode"))
         stack.callback(close_quietly, engine.close)
-        engine.initialize(cfg.host, 0)
+        engine.initialize(here, 0)
         injector = None
         fault = _READ_FAULTS.get(cfg.inject)
         if fault is not None and rank == _fault_rank(plan) and incarnation == 0:
@@ -296,12 +297,12 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         if cfg.d_tp > 1 and cfg.tp_group == "gloo":
             from sfa_rd2h.runtime.tp_group import GlooTpGroup
 
-            group = GlooTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.tp_port}",
+            group = GlooTpGroup(rank, cfg.d_tp, f"tcp://{here}:{plan.tp_port}",
                                 timeout=times["tp_timeout"])
         elif cfg.d_tp > 1:
             from sfa_rd2h.runtime.zmq_tp_group import ZmqTpGroup
 
-            group = ZmqTpGroup(rank, cfg.d_tp, f"tcp://{cfg.host}:{plan.tp_port}",
+            group = ZmqTpGroup(rank, cfg.d_tp, f"tcp://{here}:{plan.tp_port}",
                                timeout=times["tp_timeout"])
         else:
             group = SingleRankGroup()
@@ -310,7 +311,7 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         worker: Any = None
         fallback = _BrokenGroupFallback(None, None)
         loop = AgreementLoop(group, on_agreed=fallback.on_agreed)  # control.ROUND_WAIT_S
-        worker = DecodeWorker(core, engine, port, host=cfg.host, tracer=tracer,
+        worker = DecodeWorker(core, engine, port, host=here, tracer=tracer,
                               on_ready=fallback.on_ready, on_finished=finished.put)
         fallback.worker, fallback.loop = worker, loop
         stack.callback(close_quietly, worker.close)
@@ -368,7 +369,7 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
                             post_rendezvous(plan.metaserver_url or item["metaserver"],
                                             Rendezvous(
                                 request_id=ext, remote_engine_id="demo-decode",
-                                remote_host=cfg.host, remote_port=plan.base_port,
+                                remote_host=here, remote_port=plan.base_port,
                                 remote_tp_size=cfg.d_tp, remote_cached_tokens=0))
                             if delay:
                                 t = threading.Thread(target=register_late, args=(ext, main),

@@ -99,7 +99,7 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         stack.callback(close_quietly, tracer.close)
         engine = make_engine(cfg.engine, **engine_kwargs(cfg, "prefill"))
         stack.callback(close_quietly, engine.close)
-        session = engine.initialize(cfg.host, 0)
+        session = engine.initialize(plan.address("prefill"), 0)
         kv = _PrefillKv(plan, engine)
         core = PrefillCore(rank, tp_mapping(cfg.p_tp, cfg.d_tp), session, _layer_meta(plan, kv),
                            block_size=cfg.block_tokens,

@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,13 @@ class Plan:
     # Where Decode posts rendezvous; None: the URL the work item names (metaserver-down
     # points it at a relay that cuts the first connections, F1).
     metaserver_url: str | None = None
+    # role ("proxy", "prefill", "decode") -> the address it binds and advertises, and (with
+    # --hosts netns) the network namespace it runs in; empty: cfg.host, this namespace.
+    addresses: dict[str, str] = field(default_factory=dict)
+    netns: dict[str, str] = field(default_factory=dict)
+
+    def address(self, role: str) -> str:
+        return self.addresses.get(role, self.cfg.host)
 
     @property
     def n(self) -> int:
@@ -129,6 +136,11 @@ def run_child(fn: Any, name: str, plan: Plan, rank: int, conn: Connection, *args
     # full collections from walking it mid-transfer (measured with torch preloaded: 60-180 ms
     # pauses per rank on a 2-core box, the whole p99 round-trip tail).
     gc.freeze()
+    role = "prefill" if name.startswith("prefill") else "decode"
+    if role in plan.netns:
+        from sfa_rd2h.runtime.tools.hosts import enter
+
+        enter(plan.netns[role])  # before any socket or thread: the whole rank is on its host
     if plan.log_dir is not None:
         _log_to_file(plan.log_dir, name)
     child_logging(name)

@@ -282,12 +282,31 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
     A Ctrl-C (SIGINT) stops the run cleanly: the result then says ``interrupted``, every
     child is stopped and every /dev/shm file of the run is removed before this returns."""
+    cfg.check()
+    if cfg.hosts != "netns":
+        return _run_demo(cfg, {}, {})
+    from sfa_rd2h.runtime.tools.hosts import Lab
+
+    # One host each for the proxy (the metaserver), the Decode ranks and the Prefill ranks;
+    # removed with whatever still runs there however the run ends.
+    with Lab.up(HOST_ROLES, "d" + secrets.token_hex(3)) as lab:
+        return _run_demo(cfg, {r: lab[r].address for r in HOST_ROLES},
+                         {r: lab[r].netns for r in HOST_ROLES})
+
+
+#: The hosts of ``--hosts netns``: where the proxy, the Decode ranks and the Prefill ranks run.
+HOST_ROLES = ("proxy", "decode", "prefill")
+
+
+def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str]) -> DemoResult:
     from sfa_rd2h.runtime.metaserver import ProxyServer
+    from sfa_rd2h.runtime.tools.hosts import in_netns
     from sfa_rd2h.statemachines.trace import validate
 
-    cfg.check()
+    at = {role: addresses.get(role, cfg.host) for role in HOST_ROLES}
+    decode_ns, proxy_ns = netns.get("decode"), netns.get("proxy")
     if cfg.kv_port is not None:
-        _check_ports_free(cfg.host, cfg.kv_port, cfg.d_tp)
+        in_netns(decode_ns, lambda: _check_ports_free(at["decode"], cfg.kv_port, cfg.d_tp))
     # What a crashed (SIGKILLed) earlier run left in /dev/shm goes now; live runs' files,
     # named by live pids, stay (runtime.shm).
     swept = shm.sweep_dead()
@@ -299,7 +318,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     work = make_workload(cfg)
     total_blocks = sum(n_blocks(t, cfg.block_tokens) for t in work.tokens.values())
     tb = tensor_bytes(cfg.block_tokens, cfg.indexer, cfg.scale)
-    base_port = cfg.kv_port if cfg.kv_port is not None else _free_span(cfg.host, cfg.d_tp)
+    base_port = cfg.kv_port if cfg.kv_port is not None else \
+        in_netns(decode_ns, lambda: _free_span(at["decode"], cfg.d_tp))
     decode_base_port(base_port, 0, cfg.d_tp)
     ports = [decode_rank_port(base_port, d, cfg.d_tp) for d in range(cfg.d_tp)]
     topology = {"p_tp": cfg.p_tp, "d_tp": cfg.d_tp, "ratio": mapping.ratio,
@@ -308,7 +328,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
                 "host_mode": cfg.host_mode if cfg.engine == "host" else None,
                 "base_port": base_port, "requests": cfg.requests,
                 "block_tokens": cfg.block_tokens, "chunk_tokens": cfg.chunk_tokens,
-                "tp_group": cfg.tp_group}
+                "tp_group": cfg.tp_group, "hosts": cfg.hosts, "addresses": at}
 
     procs: list[_Proc] = []
     problems: list[str] = []
@@ -341,13 +361,17 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
             d_blocks = total_blocks + 1
             with open(pool_path, "wb") as f:
                 f.truncate(cfg.layers * d_blocks * (tb[0] + tb[1]))
-            proxy = ProxyServer(cfg.host)
-            proxy_url = proxy.start()
+            # Bound on the proxy's host: its sockets, and the threads serving them, are there.
+            proxy = ProxyServer(at["proxy"])
+            proxy_url = in_netns(proxy_ns, proxy.start)
             if cfg.inject == "metaserver-down":
-                relay = FlakyRelay(cfg.host, proxy.metaserver_url, METASERVER_CUTS)
+                relay = in_netns(proxy_ns, lambda: FlakyRelay(at["proxy"], proxy.metaserver_url,
+                                                              METASERVER_CUTS))
+            tp_port = in_netns(decode_ns, lambda: _free_port(at["decode"]))
             plan = Plan(cfg, work.index, work.tokens, work.victim, total_blocks + 1, d_blocks,
-                        proxy_url, base_port, _free_port(cfg.host), pool_path, trace_dir,
-                        log_dir, metaserver_url=relay.url if relay is not None else None)
+                        proxy_url, base_port, tp_port, pool_path, trace_dir,
+                        log_dir, metaserver_url=relay.url if relay is not None else None,
+                        addresses=dict(addresses), netns=dict(netns))
             ctx = _mp_context(cfg)
 
             def spawn(name: str, fn: Any, rank: int, *args: Any) -> None:

@@ -41,6 +41,7 @@ VICTIM_INJECTIONS = ("read-failure", "engine-failure", "stale-kv", "slow-reader"
 #: How the Decode ranks agree on terminal status (R1, R2): over ZMQ (no torch needed), or
 #: over a torch.distributed gloo group (needs torch; what runs inside vLLM).
 TP_GROUPS = ("zmq", "gloo")
+HOST_LAYOUTS = ("local", "netns")
 # Bytes per token of each tensor, in wire order: main K and V (256 x bf16 each), the
 # indexer key (128 x int8) and its LIC8 scale (one fp32 per token).
 BYTES_PER_TOKEN = (512, 512, 128, 4)
@@ -105,6 +106,10 @@ class DemoConfig:
     chunk_tokens: int = 512
     max_tokens: int = 2048
     host: str = "127.0.0.1"
+    # "local": every process on this host at ``host``; "netns": the proxy, the Decode ranks
+    # and the Prefill ranks each on a test host of their own (runtime.tools.hosts), each
+    # binding and advertising that host's address only.
+    hosts: str = "local"
     seed: int = 0
     progress: bool = True
     tp_group: str = "zmq"
@@ -145,6 +150,19 @@ class DemoConfig:
             raise DemoConfigError(f"unknown engine {self.engine!r}; known: {ENGINE_NAMES}")
         if self.inject not in INJECTIONS:
             raise DemoConfigError(f"unknown injection {self.inject!r}; known: {INJECTIONS}")
+        if self.hosts not in HOST_LAYOUTS:
+            raise DemoConfigError(f"unknown --hosts {self.hosts!r}; known: {HOST_LAYOUTS}")
+        if self.hosts == "netns":
+            from sfa_rd2h.runtime.tools import hosts
+
+            if self.engine == "host":
+                from sfa_rd2h.runtime.engines.host import ACROSS_HOSTS
+
+                raise DemoConfigError(f"--hosts netns puts Prefill and Decode on different "
+                                      f"hosts: {ACROSS_HOSTS} (--engine mooncake)")
+            why = hosts.unavailable()
+            if why is not None:
+                raise DemoConfigError(f"--hosts netns: {why}")
         if self.tp_group not in TP_GROUPS:
             raise DemoConfigError(f"unknown TP group {self.tp_group!r}; known: {TP_GROUPS}")
         if self.tp_group == "gloo" and importlib.util.find_spec("torch") is None:
