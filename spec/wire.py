@@ -49,8 +49,9 @@ from __future__ import annotations
 import operator
 import reprlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import msgpack
@@ -572,47 +573,37 @@ class MfMetaAck:
             raise WireError("an accepting mf_meta_ack needs a protocol_version >= 1")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ReadReq:
-    """One W2 ``read_reqs`` entry: P source block ids and D destination start offsets."""
+    """One W2 ``read_reqs`` entry: P source block ids and D destination start offsets.
+
+    The block ids are read-only 1-D arrays of unsigned ints, in the narrowest of uint8,
+    uint16 and uint32 that holds them (ids are below 2**31): a decoded READY keeps each
+    id in at most the bytes it took on the wire, and the Decode core cuts, checks and
+    plans from the arrays without converting them. Lists and tuples of ints are taken and
+    checked as before; equality compares the ids by value, whatever their dtype.
+    """
 
     ext_req_id: str
-    p_main_block_ids: tuple[int, ...]
-    p_indexer_block_ids: tuple[int, ...]
+    p_main_block_ids: np.ndarray
+    p_indexer_block_ids: np.ndarray
     main_dest_start: int = 0
     indexer_dest_start: int = 0
-
-    @classmethod
-    def _with_checked_ids(cls, ext_req_id: Any, main: tuple[int, ...],
-                          indexer: tuple[int, ...], main_dest_start: Any,
-                          indexer_dest_start: Any) -> ReadReq:
-        # The decoder's fast path: ``_ready_ids_ok`` has already proved every block id of
-        # the frame a plain int in range, in one C-level pass, so only the per-entry
-        # scalars are checked here (with the same checks and messages as __post_init__).
-        self = object.__new__(cls)
-        _set(self, "ext_req_id", _str(ext_req_id, "ext_req_id", MAX_ID_LEN))
-        _set(self, "p_main_block_ids", main)
-        _set(self, "p_indexer_block_ids", indexer)
-        _set(self, "main_dest_start", _int(main_dest_start, "main_dest_start", 0, MAX_BLOCK_ID))
-        _set(self, "indexer_dest_start",
-             _int(indexer_dest_start, "indexer_dest_start", 0, MAX_BLOCK_ID))
-        return self
+    # The checked lists a local caller gave, kept for encoding (msgpack packs them as they
+    # are, where an array would first become a list); None for a decoded entry.
+    _given: tuple[Any, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _str(self.ext_req_id, "ext_req_id", MAX_ID_LEN)
-        main = _int_tuple(
-            self.p_main_block_ids, "p_main_block_ids", 0, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY
-        )
+        main = _id_array(self.p_main_block_ids, "p_main_block_ids")
         if self.p_indexer_block_ids is self.p_main_block_ids:
             indexer = main  # legacy entries share one list; validate it once
         else:
-            indexer = _int_tuple(
-                self.p_indexer_block_ids,
-                "p_indexer_block_ids",
-                0,
-                MAX_BLOCK_ID,
-                MAX_BLOCKS_PER_ENTRY,
-            )
+            indexer = _id_array(self.p_indexer_block_ids, "p_indexer_block_ids")
+        given = (self.p_main_block_ids, self.p_indexer_block_ids)
+        if all(type(g) is tuple or type(g) is list for g in given):
+            # checked by _id_array (plain ints in range); copied, so no caller can change them
+            _set(self, "_given", tuple(g if type(g) is tuple else tuple(g) for g in given))
         _set(self, "p_main_block_ids", main)
         _set(self, "p_indexer_block_ids", indexer)
         _set(
@@ -623,6 +614,55 @@ class ReadReq:
             "indexer_dest_start",
             _int(self.indexer_dest_start, "indexer_dest_start", 0, MAX_BLOCK_ID),
         )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ReadReq):
+            return NotImplemented
+        return (self.ext_req_id == other.ext_req_id
+                and self.main_dest_start == other.main_dest_start
+                and self.indexer_dest_start == other.indexer_dest_start
+                and np.array_equal(self.p_main_block_ids, other.p_main_block_ids)
+                and np.array_equal(self.p_indexer_block_ids, other.p_indexer_block_ids))
+
+    def __hash__(self) -> int:
+        # equal entries have equal ids whatever their dtype, so only dtype-free parts
+        return hash((self.ext_req_id, self.main_dest_start, self.indexer_dest_start,
+                     len(self.p_main_block_ids), len(self.p_indexer_block_ids)))
+
+    def __repr__(self) -> str:
+        return (f"ReadReq({self.ext_req_id!r}, {_repr.repr(self.p_main_block_ids.tolist())}, "
+                f"{_repr.repr(self.p_indexer_block_ids.tolist())}, {self.main_dest_start}, "
+                f"{self.indexer_dest_start})")
+
+
+def _narrow(top: int) -> np.dtype:
+    """The narrowest unsigned dtype for ids up to ``top`` (at most MAX_BLOCK_ID)."""
+    return _U8 if top < 256 else _U16 if top < 65536 else _U32
+
+
+_U8, _U16, _U32 = np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)
+
+
+def _id_array(value: Any, field: str) -> np.ndarray:
+    """Block ids given by a local caller as a read-only narrow array, checked as
+    ``_int_tuple`` checks them (the same refusals, the same words)."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        if value.size > MAX_BLOCKS_PER_ENTRY:
+            raise WireError(f"{field}: {value.size} items exceed the limit of "
+                            f"{MAX_BLOCKS_PER_ENTRY}")
+        top = int(value.max()) if value.size else 0
+        if value.size and (int(value.min()) < 0 or top > MAX_BLOCK_ID):
+            _int_tuple(value, field, 0, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)  # raises, worded
+        if not value.flags.writeable and value.dtype.kind == "u" and \
+                value.dtype.itemsize <= 4:
+            return value
+        ids: Any = value
+    else:
+        ids = _int_tuple(value, field, 0, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)
+        top = max(ids) if ids else 0
+    arr = np.array(ids, dtype=_narrow(top))
+    arr.flags.writeable = False
+    return arr
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,7 +738,7 @@ Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed | MfMetaAck
 
 
 def _fields(msg: Message) -> tuple[Any, ...]:
-    # msgpack packs tuples as arrays, so tuples go out as-is with no per-block copy.
+    # msgpack packs tuples and lists as arrays; block id arrays go out as lists of ints.
     if isinstance(msg, ReadReadyBatch):
         return (
             READ_READY_BATCH,
@@ -707,8 +747,7 @@ def _fields(msg: Message) -> tuple[Any, ...]:
             tuple(
                 (
                     r.ext_req_id,
-                    r.p_main_block_ids,
-                    r.p_indexer_block_ids,
+                    *(r._given or (r.p_main_block_ids.tolist(), r.p_indexer_block_ids.tolist())),
                     r.main_dest_start,
                     r.indexer_dest_start,
                 )
@@ -821,94 +860,219 @@ def _decode_mf_meta(f: list[Any]) -> MfMeta:
     return MfMeta(f[1], layers, f[3], None, f[4], f[5])
 
 
-# Unsigned C longs: array("L") refuses, in C, every element that is not an int (floats,
-# strings, None, arrays, maps raise TypeError) and every negative or oversized int
-# (OverflowError). It lets bools through (bool is an int subclass), which is why
-# _ready_ids_ok looks at the types of the few ids that could be a bool (values 0 and 1).
-_ID_ARRAY = "L"
-_ID_DTYPE = np.dtype(f"u{array(_ID_ARRAY).itemsize}")
+class _IdBuffer:
+    """The block ids of one READY, list by list, each list appended in C (``array.extend``)
+    to the narrowest of three flat arrays that takes it (``B``, ``H``, ``I``), so an id
+    costs at most the bytes it took on the wire. A list that no array takes (an id not an
+    int, negative or too large) or that holds a bool (which ``array`` takes as 0 or 1) goes
+    through ``_int_tuple``, which refuses it with the words a constructed ``ReadReq`` uses;
+    ids above MAX_BLOCK_ID, which ``I`` holds, are found by a max over the lists in it."""
+
+    __slots__ = ("bufs", "spans")
+
+    def __init__(self) -> None:
+        self.bufs = {code: array(code) for code in _ARRAY_DTYPES}
+        self.spans: list[tuple[str, int, int]] = []
+
+    def add(self, ids: Any, field: str) -> int:
+        """Append one list; returns its index among the lists added."""
+        if type(ids) is not list:
+            _int_tuple(ids, field, 0, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)  # raises, worded
+        if len(ids) > MAX_BLOCKS_PER_ENTRY:
+            raise WireError(f"{field}: {len(ids)} items exceed the limit of "
+                            f"{MAX_BLOCKS_PER_ENTRY}")
+        for code, buf in self.bufs.items():
+            start = len(buf)
+            try:
+                buf.extend(ids)
+            except OverflowError:
+                del buf[start:]
+                continue
+            except TypeError:
+                del buf[start:]
+                break
+            # array takes True and False as 1 and 0; only a list holding a 0 or 1 can hide one
+            if (0 in ids or 1 in ids) and set(map(type, ids)) != _INT_ONLY:
+                del buf[start:]
+                break
+            self.spans.append((code, start, len(buf)))
+            return len(self.spans) - 1
+        _int_tuple(ids, field, 0, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)  # raises, worded
+        raise AssertionError("unreachable: _int_tuple accepted what no array took")
+
+    def check_wide(self) -> int | None:
+        """The index of the first list holding an id above MAX_BLOCK_ID, or None."""
+        wide = np.frombuffer(self.bufs["I"], dtype=_U32)
+        if not wide.size or int(wide.max()) <= MAX_BLOCK_ID:
+            return None
+        return next(i for i, (code, a, b) in enumerate(self.spans)
+                    if code == "I" and b > a and int(wide[a:b].max()) > MAX_BLOCK_ID)
+
+    def views(self) -> list[np.ndarray]:
+        flats = {}
+        for code, buf in self.bufs.items():
+            flats[code] = np.frombuffer(buf, dtype=_ARRAY_DTYPES[code])
+            flats[code].flags.writeable = False
+        return [flats[code][a:b] for code, a, b in self.spans]
 
 
-def _ready_ids_ok(raw_reqs: list[Any]) -> bool:
-    """True when every entry of a decoded READY is well shaped and every block id in it is
-    a plain int in [0, MAX_BLOCK_ID], proved in one C-level pass over all ids instead of a
-    type set, min and max per list. False says nothing is wrong, only that the exact
-    per-entry path must run: it finds the first offence and words the error as always."""
-    buf = array(_ID_ARRAY)
+# array typecodes of _IdBuffer and their numpy dtypes (I is 4 bytes wherever numpy runs)
+_ARRAY_DTYPES = {"B": _U8, "H": _U16, "I": _U32}
+assert array("I").itemsize == 4
+
+
+def _fast_entries(raw_reqs: list[Any]) -> tuple[ReadReq, ...] | None:
+    """The entries of a READY whose every field is as a Prefill writes it, or None to let
+    ``_decode_entries`` find and word the first offence (or widen what only needs it).
+    All ids go into one ``I`` array in C; the checks ``array`` does not make (bools, ids
+    above MAX_BLOCK_ID) run once over the frame's ids, not per list."""
+    buf = array("I")
     extend = buf.extend
-    lists: list[list[Any]] = []
+    rows = []
+    ends = []
+    max_id, max_blocks = MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY
     try:
         for entry in raw_reqs:
             if type(entry) is not list:
-                return False
+                return None
             n = len(entry)
+            ext = entry[0] if n else None
+            if type(ext) is not str or not ext or len(ext) > MAX_ID_LEN or not ext.isascii():
+                return None
+            main = entry[1] if n == 2 or n >= 5 else None
+            if type(main) is not list or len(main) > max_blocks:
+                return None
+            extend(main)
+            ends.append(len(buf))
             if n == 2:
-                ids = (entry[1],)
-            elif n >= 5:
-                ids = (entry[1], entry[2])
-            else:
-                return False
-            for block_ids in ids:
-                if type(block_ids) is not list or len(block_ids) > MAX_BLOCKS_PER_ENTRY:
-                    return False
-                extend(block_ids)
-                lists.append(block_ids)
+                rows.append((ext, True, 0, 0))
+                continue
+            idx, m_start, i_start = entry[2], entry[3], entry[4]
+            if (type(idx) is not list or len(idx) > max_blocks or type(m_start) is not int
+                    or type(i_start) is not int or not 0 <= m_start <= max_id
+                    or not 0 <= i_start <= max_id):
+                return None
+            extend(idx)
+            ends.append(len(buf))
+            rows.append((ext, False, m_start, i_start))
     except (TypeError, OverflowError):
-        return False
-    if not buf:
-        return True
-    flat = np.frombuffer(buf, dtype=_ID_DTYPE)
-    if int(flat.max()) > MAX_BLOCK_ID:
-        return False
-    if (flat <= 1).any():
-        # A True or False went into the array as 1 or 0; only lists holding such values can
-        # hide one, so only those get the exact per-element type check.
-        for block_ids in lists:
-            if (0 in block_ids or 1 in block_ids) and set(map(type, block_ids)) != _INT_ONLY:
-                return False
-    return True
+        return None
+    flat = np.frombuffer(buf, dtype=_U32)
+    if flat.size:
+        if int(flat.max()) > max_id:
+            return None
+        if (flat <= 1).any():
+            # A True or False went into the array as 1 or 0; only lists holding such values
+            # can hide one, so only those get the exact per-element type check.
+            for entry in raw_reqs:
+                for ids in entry[1:3] if len(entry) >= 5 else entry[1:2]:
+                    if (0 in ids or 1 in ids) and set(map(type, ids)) != _INT_ONLY:
+                        return None
+    flat.flags.writeable = False
+    views = [flat[a:b] for a, b in pairwise([0, *ends])]
+    out = []
+    new = object.__new__
+    at = 0
+    for ext, legacy, m_start, i_start in rows:
+        req = new(ReadReq)
+        _set(req, "ext_req_id", ext)
+        _set(req, "p_main_block_ids", views[at])
+        _set(req, "p_indexer_block_ids", views[at] if legacy else views[at + 1])
+        _set(req, "main_dest_start", m_start)
+        _set(req, "indexer_dest_start", i_start)
+        _set(req, "_given", None)
+        at += 1 if legacy else 2
+        out.append(req)
+    return tuple(out)
 
 
-def _decode_read_req(entry: Any, ids_checked: bool = False) -> ReadReq:
-    if type(entry) is not list:
-        raise WireError(f"expected an array, got {_show(entry)}")
-    n = len(entry)
-    if n == 2:
-        # Legacy entry (ext_req_id, block_ids): one list for main and indexer, offsets 0.
-        if ids_checked:
-            ids = tuple(entry[1])
-            return ReadReq._with_checked_ids(entry[0], ids, ids, 0, 0)
-        return ReadReq(entry[0], entry[1], entry[1], 0, 0)
-    # 3 or 4 fields would leave a destination offset to guess; guessing 0 writes into the
-    # wrong D blocks, so those shapes are refused (W5) instead of defaulted.
-    _arity("read_req", entry, "2 (legacy) or at least 5", n >= 5)
-    if ids_checked:
-        return ReadReq._with_checked_ids(entry[0], tuple(entry[1]), tuple(entry[2]), entry[3],
-                                         entry[4])
-    return ReadReq(entry[0], entry[1], entry[2], entry[3], entry[4])
+def _decode_entries(raw_reqs: Iterable[Any]) -> tuple[ReadReq, ...]:
+    """The entries of one READY, their ids in one flat array (``_IdBuffer``) of which each
+    entry holds views; every field checked as ``ReadReq`` checks it, in the same order
+    (ext_req_id, main ids, indexer ids, starts), the first offence named with its entry."""
+    ids = _IdBuffer()
+    rows: list[tuple[str, int, int, int, int]] = []
+    fields: list[tuple[int, str]] = []  # per list: (entry, field name), for a late refusal
+    i = -1
+    try:
+        for i, entry in enumerate(raw_reqs):
+            if type(entry) is not list:
+                raise WireError(f"expected an array, got {_show(entry)}")
+            n = len(entry)
+            # 3 or 4 fields would leave a destination offset to guess; guessing 0 writes
+            # into the wrong D blocks, so those shapes are refused (W5) instead of defaulted.
+            if n != 2:
+                _arity("read_req", entry, "2 (legacy) or at least 5", n >= 5)
+            ext = _str(entry[0], "ext_req_id", MAX_ID_LEN)
+            main = ids.add(entry[1], "p_main_block_ids")
+            fields.append((i, "p_main_block_ids"))
+            if n == 2:  # legacy (ext_req_id, block_ids): one list for both, offsets 0
+                rows.append((ext, main, main, 0, 0))
+                continue
+            idx = ids.add(entry[2], "p_indexer_block_ids")
+            fields.append((i, "p_indexer_block_ids"))
+            rows.append((ext, main, idx, _int(entry[3], "main_dest_start", 0, MAX_BLOCK_ID),
+                         _int(entry[4], "indexer_dest_start", 0, MAX_BLOCK_ID)))
+    except WireError as exc:
+        _refuse_wide(ids, fields, upto=i)
+        raise WireError(f"read_reqs[{i}]: {exc}") from None
+    _refuse_wide(ids, fields, upto=None)
+    views = ids.views()
+    out = []
+    new = object.__new__
+    for ext, main, idx, m_start, i_start in rows:
+        req = new(ReadReq)
+        _set(req, "ext_req_id", ext)
+        _set(req, "p_main_block_ids", views[main])
+        _set(req, "p_indexer_block_ids", views[idx])
+        _set(req, "main_dest_start", m_start)
+        _set(req, "indexer_dest_start", i_start)
+        _set(req, "_given", None)
+        out.append(req)
+    return tuple(out)
 
 
-def _decode_ready(f: list[Any]) -> ReadReadyBatch:
+def _refuse_wide(ids: _IdBuffer, fields: list[tuple[int, str]], upto: int | None) -> None:
+    """Refuse the first list, of entries before ``upto``, holding an id above MAX_BLOCK_ID,
+    exactly as ``_int_tuple`` words it (those ids fit the ``I`` array, so only here are
+    they seen)."""
+    bad = ids.check_wide()
+    if bad is None or (upto is not None and fields[bad][0] >= upto):
+        return
+    entry, field = fields[bad]
+    _, start, end = ids.spans[bad]
+    try:
+        _int_tuple(np.frombuffer(ids.bufs["I"], dtype=_U32)[start:end], field, 0,
+                   MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)
+    except WireError as exc:
+        raise WireError(f"read_reqs[{entry}]: {exc}") from None
+
+
+def _decode_ready(f: list[Any], decoded: tuple[ReadReq, ...] | None = None) -> ReadReadyBatch:
+    """``f``: the READY's fields; ``decoded``: its entries when ``_stream_ready`` decoded
+    them already (``f[3]`` is then their count)."""
     n = len(f)
     # 5 = legacy single contributor (W4: member 0 of a group of 1); 7+ = current.
     # 6 (a member index without its ratio) is not a form any sender produces.
     _arity("read_ready_batch", f, "5 (legacy) or at least 7", n == 5 or n >= 7)
     layer_idx = _int(f[1], "read_ready_batch: layer_idx", 0, MAX_LAYER_IDX)
     raw_reqs = f[3]
-    if type(raw_reqs) is not list:
-        raise WireError(f"read_ready_batch: read_reqs: expected an array, got {_show(raw_reqs)}")
-    if len(raw_reqs) > MAX_ENTRIES:
-        raise WireError(
-            f"read_ready_batch: read_reqs: {len(raw_reqs)} entries exceed the limit of "
-            f"{MAX_ENTRIES}"
-        )
-    ids_checked = _ready_ids_ok(raw_reqs)
-    reqs = []
-    for i, entry in enumerate(raw_reqs):
+    if decoded is None:
+        if type(raw_reqs) is not list:
+            raise WireError(
+                f"read_ready_batch: read_reqs: expected an array, got {_show(raw_reqs)}")
+        if len(raw_reqs) > MAX_ENTRIES:
+            raise WireError(
+                f"read_ready_batch: read_reqs: {len(raw_reqs)} entries exceed the limit of "
+                f"{MAX_ENTRIES}"
+            )
         try:
-            reqs.append(_decode_read_req(entry, ids_checked))
+            decoded = _fast_entries(raw_reqs)
+            if decoded is None:
+                decoded = _decode_entries(raw_reqs)
         except WireError as exc:
-            raise WireError(f"read_ready_batch: read_reqs[{i}]: {exc}") from None
+            raise WireError(f"read_ready_batch: {exc}") from None
+    reqs = decoded
     done = f[4]
     if type(done) is not list:
         raise WireError(f"read_ready_batch: done_ext_ids: expected an array, got {_show(done)}")
@@ -950,9 +1114,64 @@ _DECODERS = {
 }
 
 
+# A READY over this many bytes is decoded entry by entry (``_stream_ready``): unpacked
+# whole, a frame of small ids costs a list slot of 8 bytes per 1-byte id before any check.
+_STREAM_BYTES = 1 << 20
+
+
+def _stream_ready(data: bytes) -> ReadReadyBatch | None:
+    """A large READY decoded with one entry unpacked at a time, its ids kept in arrays as
+    narrow as they allow, so decoding it costs a small multiple of its size at most; None
+    when the frame is not shaped as a READY (the whole-frame path then words why)."""
+    n = len(data)
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=True, use_list=True, max_buffer_size=n,
+        max_str_len=min(MAX_ERROR_LEN, n), max_bin_len=n,
+        max_array_len=min(MAX_BLOCKS_PER_ENTRY, n), max_map_len=min(MAX_LAYERS, n),
+        max_ext_len=0)
+    unpacker.feed(data)
+    try:
+        n_fields = unpacker.read_array_header()
+        if n_fields > MAX_FIELDS:
+            raise WireError(f"frame: {n_fields} fields exceed the limit of {MAX_FIELDS}")
+        if not (n_fields == 5 or n_fields >= 7):
+            return None
+        if unpacker.unpack() != READ_READY_BATCH:
+            return None
+        head = [READ_READY_BATCH, unpacker.unpack(), unpacker.unpack()]
+        _int(head[1], "read_ready_batch: layer_idx", 0, MAX_LAYER_IDX)
+        count = unpacker.read_array_header()
+    except WireError:
+        raise
+    except Exception:  # noqa: BLE001 - not a READY's shape: the whole-frame path words it
+        return None
+    if count > MAX_ENTRIES:
+        raise WireError(f"read_ready_batch: read_reqs: {count} entries exceed the limit of "
+                        f"{MAX_ENTRIES}")
+
+    def entries() -> Iterator[Any]:
+        for _ in range(count):
+            yield unpacker.unpack()
+
+    try:
+        reqs = _decode_entries(entries())
+        tail = [unpacker.unpack() for _ in range(n_fields - 4)]
+    except WireError as exc:
+        raise WireError(f"read_ready_batch: {exc}") from None
+    except Exception as exc:  # msgpack raises many unrelated types; all mean "bad bytes"
+        raise WireError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if unpacker.tell() != n:
+        raise WireError("not valid msgpack: trailing bytes after the message")
+    return _decode_ready([*head, count, *tail], reqs)
+
+
 def _decode(payload: Any) -> Message:
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise WireError(f"frame: expected bytes, got {_show(payload)}")
+    if len(payload) > _STREAM_BYTES and len(payload) <= MAX_FRAME_BYTES:
+        msg = _stream_ready(bytes(payload))
+        if msg is not None:
+            return msg
     fields = _unpack(bytes(payload))
     if type(fields) is not list:
         raise WireError(f"frame: top level must be a msgpack array, got {_show(fields)}")

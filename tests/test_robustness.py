@@ -147,3 +147,17 @@ def test_prefill_rejects_hostile_replies_without_changing_state(frame):
     else:  # the one legitimate reply: the gates of layer 0 no longer wait for it
         assert all(not g.is_pending("d:7000") for g in core.gates.values())
         assert state() != before and core.stale_replies == stale
+
+
+def test_ready_memory_is_bounded_by_the_bytes_received():  # W5, C1 (hostile peer)
+    """A READY of the largest legal size, 1-byte ids (the worst case for growth), for
+    requests Decode does not know yet: held while it waits (C1), the receiving process's
+    peak RSS grows by under 4x the bytes in flight (decoding it whole once cost ~7x), and
+    once it is answered it is back near its start. Measured in a child process, so nothing
+    else this process holds counts (``sfa-rd2h bench`` measures three at once)."""
+    from sfa_rd2h.runtime.tools.bench.micro import ready_memory
+
+    mem = ready_memory(frames=1)
+    assert mem["bytes"] > wire.MAX_FRAME_BYTES - (4 << 20)  # within 4 MiB of the limit
+    assert mem["peak"] < 4 * mem["bytes"], mem
+    assert mem["after"] < mem["bytes"] // 10, mem

@@ -263,8 +263,12 @@ def test_layer_meta_properties() -> None:
 
 def test_constructors_normalise_lists_and_numpy() -> None:
     req = ReadReq("r", [1, 2], np.array([3, 4], dtype=np.int32), np.int64(5), 0)
-    assert req.p_main_block_ids == (1, 2) and req.p_indexer_block_ids == (3, 4)
-    assert type(req.main_dest_start) is int and all(type(x) is int for x in req.p_indexer_block_ids)
+    # block ids become read-only arrays as narrow as their values allow
+    assert req.p_main_block_ids.tolist() == [1, 2] and req.p_indexer_block_ids.tolist() == [3, 4]
+    assert req.p_main_block_ids.dtype == np.uint8 and not req.p_main_block_ids.flags.writeable
+    assert type(req.main_dest_start) is int
+    assert ReadReq("r", [70000], [300], 0, 0).p_indexer_block_ids.dtype == np.uint16
+    assert ReadReq("r", [70000], [], 0, 0).p_main_block_ids.dtype == np.uint32
     with pytest.raises(WireError, match="expected int, got float"):
         ReadReq("r", np.array([1.5]), ())
     meta = LayerMeta([1], [2], [3], [0], 1, False)
@@ -1114,14 +1118,19 @@ def test_ready_frames_refuse_a_frame_over_max_frame_bytes(
 @pytest.mark.parametrize(("field", "legacy"), [(1, False), (2, False), (1, True)])
 # With and without real 0 and 1 ids beside the offending one (a bool hides among them).
 @pytest.mark.parametrize("ids", [[0, 1, 5, 7], [3, 4, 5, 7]], ids=["with-0-1", "without"])
-def test_fast_id_check_refuses_like_the_per_list_check(bad: Any, field: int,
-                                                       legacy: bool, ids: list[int]) -> None:
+# A READY over 1 MiB is decoded entry by entry, its ids widened as they come: same words.
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_fast_id_check_refuses_like_the_per_list_check(bad: Any, field: int, legacy: bool,
+                                                       ids: list[int], streamed: bool) -> None:
     entries: list[list[Any]] = [["req-a", list(ids), list(ids), 0, 0] for _ in range(3)]
     if legacy:
         entries = [["req-a", list(ids)] for _ in range(3)]
+    if streamed:
+        entries[0][1] = [9] * (1 << 20)  # the frame passes 1 MiB before the bad entry
     entries[1][field][2] = bad
     frame = msgpack.packb([wire.READ_READY_BATCH, 3, "layer", entries, [], 0, 1],
                           use_bin_type=True)
+    assert (len(frame) > wire._STREAM_BYTES) is streamed
     name = "p_main_block_ids" if field == 1 else "p_indexer_block_ids"
     with pytest.raises(WireError) as exc:
         wire.decode(frame)
@@ -1142,3 +1151,28 @@ def test_fast_id_check_keeps_valid_zero_and_one_ids() -> None:
     msg = ReadReadyBatch(2, "layer", (ReadReq("r", (0, 1, 2**31 - 1), (1, 0), 0, 0),
                                       ReadReq("s", (4,), (4,))), (), 0, 1)
     assert wire.decode(wire.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_large_ready_decodes_entry_by_entry_into_narrow_arrays(legacy: bool) -> None:  # W2
+    """Over 1 MiB a READY is decoded one entry at a time into id arrays as narrow as the
+    ids allow (uint8 for ids below 256, wider only from the list that needs it), and the
+    message is the one the whole frame decodes to; its encoding is the same bytes."""
+    rng = np.random.default_rng(5)
+    small = rng.integers(0, 128, 1 << 20).tolist()
+    big = rng.integers(0, 2**31 - 1, 1000).tolist()
+    reqs = [["r0", small], ["r1", big]] if legacy else [
+        ["r0", small, small[:10], 0, 3], ["r1", big, [300, 2], 7, 0]]
+    frame = msgpack.packb([wire.READ_READY_BATCH, 2, "layer", reqs, ["r0"], 0, 1],
+                          use_bin_type=True)
+    assert len(frame) > wire._STREAM_BYTES
+    msg = wire.decode(frame)
+    assert msg == wire._decode_ready(wire._unpack(frame))  # the whole-frame path
+    r0, r1 = msg.read_reqs
+    assert r0.p_main_block_ids.dtype == np.uint8 and r0.p_main_block_ids.tolist() == small
+    assert r1.p_main_block_ids.dtype == np.uint32 and r1.p_main_block_ids.tolist() == big
+    assert not r0.p_main_block_ids.flags.writeable
+    if not legacy:  # a legacy entry goes out in today's 5-field form
+        assert encode(msg) == frame
+    assert _refusal(lambda: wire.decode(frame + b"\x00")) == (
+        "not valid msgpack: trailing bytes after the message")  # as the whole frame says

@@ -20,7 +20,7 @@ import functools
 import heapq
 import itertools
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -647,21 +647,18 @@ def _remember(table: dict, key: str, value: object, limit: int) -> None:
         del table[next(iter(table))]
 
 
-def _gather(id_lists: list[tuple[int, ...]], counts: np.ndarray, dests: list[np.ndarray],
+def _gather(id_lists: list[np.ndarray], counts: np.ndarray, dests: list[np.ndarray],
             lo: np.ndarray, hi: np.ndarray,
             dest_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Entry ``i``'s source ids (``counts[i]`` of them) at positions ``[lo[i], hi[i])``,
-    all entries joined into one int64 array, and the destination blocks they land in:
+    all entries joined into one array, and the destination blocks they land in:
     ``dests[i]`` from ``dest_start[i] + lo[i]`` on. The ranges were checked against
     ``dests`` (L1)."""
-    total = int(np.maximum(hi - lo, 0).sum())
     los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
     if not lo.any() and np.array_equal(hi, counts):  # every piece is its whole list
-        pieces: Iterable[tuple[int, ...]] = id_lists
+        src = np.concatenate(id_lists)
     else:
-        pieces = (ids[a:b] for ids, a, b in zip(id_lists, los, his, strict=True))
-    src = np.fromiter(itertools.chain.from_iterable(pieces), np.int64, total)
+        src = np.concatenate([ids[a:b] for ids, a, b in zip(id_lists, los, his, strict=True)])
     dst = np.concatenate([d[at:at + b - a] for d, at, a, b
                           in zip(dests, ats, los, his, strict=True)])
     return src, dst
-

@@ -207,8 +207,8 @@ class PrefillCore:
         Prefill does (a Decode skips such an entry, so sending one would only cost bytes)."""
         if stop == start:
             return None
-        return wire.ReadReq(req.ext_req_id, tuple(req.main_ids[start:stop].tolist()),
-                            tuple(req.indexer_ids[start:stop].tolist()), start, start)
+        return wire.ReadReq(req.ext_req_id, req.main_ids[start:stop],
+                            req.indexer_ids[start:stop], start, start)
 
     # ----------------------------------------------------------------- compute path
     def gates_of(self, layer_idx: int) -> tuple[SlotGate, ...]:

@@ -171,7 +171,7 @@ def ready_message(entries: int, ids: int, seed: int = 2) -> wire.ReadReadyBatch:
 def ready_fields(msg: wire.ReadReadyBatch) -> tuple[Any, ...]:
     """The W2 field tuple of ``msg``, written out here so the baseline shares no wire code."""
     return (wire.READ_READY_BATCH, msg.layer_idx, msg.layer_name,
-            tuple((r.ext_req_id, r.p_main_block_ids, r.p_indexer_block_ids,
+            tuple((r.ext_req_id, r.p_main_block_ids.tolist(), r.p_indexer_block_ids.tolist(),
                    r.main_dest_start, r.indexer_dest_start) for r in msg.read_reqs),
             msg.done_ext_ids, msg.group_member_idx, msg.tp_ratio)
 
@@ -393,3 +393,79 @@ def bench_plan_scale(sizes: Sizes) -> list[Result]:
                  "descriptors": len(plan), "ns_per_block": med / n * 1e9, **info}))
     return results
 
+
+
+# --------------------------------------------------------------------------- 8. READY memory
+
+# Runs in a child process, so its peak RSS is the Decode core's alone: a Decode core that
+# handshook, then READYs of the largest legal size (1-byte ids: the worst case for growth)
+# for requests it does not know yet, which it must hold until their destinations come (C1).
+_READY_MEMORY_CHILD = r"""
+import gc, json, sys
+import msgpack, numpy as np
+from sfa_rd2h.spec import wire
+from sfa_rd2h.spec.layout import DestLayout
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+frames, size = int(sys.argv[1]), int(sys.argv[2])
+meta = wire.LayerMeta((0x10000, 0x20000), (16, 16), (1, 1), (0, 0), 2, False)
+dest = DestLayout((0x900000, 0x910000), (16, 16), (1 << 20, 1 << 20), 2, False, False)
+core = DecodeCore(0, 1, {"l0": dest}, destination_wait=1.0)
+core.on_frame("p", wire.encode(wire.MfMeta("s", {"l0": meta}, 1)), 0.0)
+per_list = wire.MAX_BLOCKS_PER_ENTRY
+ids = b"\xdd" + per_list.to_bytes(4, "big") + np.random.default_rng(3).integers(
+    0, 128, per_list, dtype=np.uint8).tobytes()  # one msgpack array of fixint ids
+n_entries = max(1, (size - 64 * 1024) // (2 * len(ids)))
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from here
+base = status("VmRSS")
+sent = 0
+for k in range(frames):
+    parts = [b"\x97", msgpack.packb(wire.READ_READY_BATCH), b"\x00", msgpack.packb("l0"),
+             b"\xdd" + n_entries.to_bytes(4, "big")]
+    for i in range(n_entries):
+        parts += [b"\x95", msgpack.packb(f"f{k}-r{i}"), ids, ids, b"\x00", b"\x00"]
+    frame = b"".join(parts + [b"\x90\x00\x01"])
+    del parts
+    sent += len(frame)
+    assert core.on_frame("p", frame, 0.0) == []  # held: its requests are not known yet
+    del frame
+peak = status("VmHWM") - base
+replies = core.tick(2.0)  # C1: destinations never came; every READY is answered
+assert len(replies) == frames and not core.has_waiting_reads(), replies
+del replies
+gc.collect()
+print(json.dumps({"bytes": sent, "peak": peak, "after": status("VmRSS") - base,
+                  "entries": n_entries}))
+"""
+
+
+def ready_memory(frames: int = 3, frame_bytes: int = wire.MAX_FRAME_BYTES) -> dict[str, int]:
+    """Peak RSS growth of a Decode core holding ``frames`` READYs of about ``frame_bytes``
+    each (1-byte ids) and its RSS growth once they are answered, measured in a child
+    process: ``{"bytes", "peak", "after", "entries"}`` in bytes."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _READY_MEMORY_CHILD, str(frames),
+                          str(frame_bytes)], capture_output=True, text=True, check=False,
+                         timeout=300)
+    if out.returncode:
+        raise BenchError(f"ready_peak_rss: the child process failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def bench_ready_memory(sizes: Sizes) -> Result:
+    """``ready_peak_rss_ratio``: peak RSS growth over the bytes of the READYs in flight."""
+    mem = ready_memory()
+    return Result(
+        "ready_peak_rss", mem["peak"], mem["bytes"], "MiB", 1 / (1 << 20),
+        f"3 READYs of {mem['bytes'] // 3 >> 20} MiB (1-byte ids) held by a Decode core; "
+        "peak RSS growth vs the bytes in flight",
+        {"verified": True, "after_bytes": mem["after"], "entries_per_frame": mem["entries"]})

@@ -61,6 +61,7 @@ FIGURES: tuple[tuple[str, str, str, float | None, str], ...] = (
     ("host_read_ratio_2mib", "host_read_2MiB", "inverse", 0.8, ">="),
     ("pipeline_efficiency", "pipeline", "inverse", 0.7, ">="),
     ("plan_100k_ms", "plan_scale_100k_scattered", "ms", 20.0, "<="),
+    ("ready_peak_rss_ratio", "ready_peak_rss", "ratio", 4.0, "<="),
     ("idle_cpu_fraction", "idle_cpu", "ratio", 0.01, "<"),
 )
 FIGURE_KEYS: tuple[str, ...] = tuple(f[0] for f in FIGURES)
@@ -77,6 +78,7 @@ def _steps() -> dict[str, Callable[[Sizes], Result | list[Result]]]:
         "machines": micro.bench_machines,
         "decode_core": micro.bench_decode_core,
         "plan_scale": micro.bench_plan_scale,
+        "ready_memory": micro.bench_ready_memory,
         "control": system.bench_control,
         "prefill_layer": system.bench_prefill_layer,
         "machine_share": system.bench_machine_share,
@@ -87,8 +89,8 @@ def _steps() -> dict[str, Callable[[Sizes], Result | list[Result]]]:
 
 
 STEP_NAMES: tuple[str, ...] = ("plan", "wire", "machines", "decode_core", "plan_scale",
-                               "control", "prefill_layer", "machine_share", "host_read",
-                               "mooncake_read", "pipeline")
+                               "ready_memory", "control", "prefill_layer", "machine_share",
+                               "host_read", "mooncake_read", "pipeline")
 
 
 def mooncake_available() -> bool:
