@@ -1,0 +1,73 @@
+"""``.ci/stress``, the release check under load: its tally of JUnit reports and its load.
+
+The script is run by hand for hours, so what it would get wrong is checked here in seconds:
+which test failed how often and with what words, a pytest that crashed without a report
+counted as a failure, and the hogs and the /dev/shm churn really running and really gone."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stress():
+    loader = importlib.machinery.SourceFileLoader("ci_stress", str(ROOT / ".ci" / "stress"))
+    spec = importlib.util.spec_from_loader("ci_stress", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ci_stress"] = module  # dataclasses look their module up there
+    loader.exec_module(module)
+    return module
+
+
+_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_a" name="test_ok" time="0.1"/>
+<testcase classname="tests.test_a" name="test_flaky[x]" time="0.1">{failure}</testcase>
+<testcase classname="tests.test_b.TestGroup" name="test_in_class" time="0.1">
+<error message="fixture broke">trace</error></testcase>
+</testsuite></testsuites>"""
+
+
+def test_runs_and_failures_are_tallied_per_module_and_per_test(tmp_path: Path) -> None:
+    stress = _stress()
+    results = stress.Results()
+    for run, failure in enumerate(('<failure message="AssertionError: boom">x</failure>', "")):
+        junit = tmp_path / f"{run}.xml"
+        junit.write_text(_JUNIT.format(failure=failure))
+        results.record(junit, f"run#{run}", 1, 1.0, "1 failed")
+    results.record(tmp_path / "missing.xml", "tests/test_c.py#1", 3, 1.0, "INTERNALERROR")
+    a, b = results.by_module["tests/test_a.py"], results.by_module["tests/test_b.py"]
+    assert (len(a.cases), a.runs, a.failures, a.first) == (2, 4, 1, "AssertionError: boom")
+    assert (b.runs, b.failures, b.first) == (2, 2, "fixture broke")
+    flaky = results.by_test["tests/test_a.py::test_flaky[x]"]
+    assert (flaky.runs, flaky.failures) == (2, 1)
+    assert results.by_test["tests/test_b.py::TestGroup::test_in_class"].failures == 2
+    crashed = results.by_module["tests/test_c.py#1"]
+    assert (crashed.failures, crashed.first) == (1, "rc=3: INTERNALERROR")
+    assert results.failures() == 4
+    table = results.table()
+    assert "| tests/test_a.py " in table and "AssertionError: boom |" in table
+    assert "test: tests/test_a.py::test_flaky[x]" in table
+    assert "test: tests/test_a.py::test_ok" not in table  # only tests that failed get a row
+
+
+def test_the_load_runs_until_stopped_and_leaves_nothing() -> None:
+    stress = _stress()
+    load = stress.Load(2, True, 600)
+    try:
+        assert load.hogs_alive() == 2
+        noise = load.procs[-1]
+        prefix = f"sfa_rd2h.{noise.pid}."
+        deadline = time.monotonic() + 30
+        while not any(n.startswith(prefix) for n in os.listdir("/dev/shm")):
+            assert noise.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)  # the churn's first file: nothing to await across processes
+    finally:
+        load.stop()
+    assert load.hogs_alive() == 0 and all(p.poll() is not None for p in load.procs)
