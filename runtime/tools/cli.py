@@ -250,7 +250,23 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     print(f"FAILED after {result.examples} deployments ({result.seconds:.1f}s, seed {args.seed})")
     print(checker.format_counterexample(result))
+    if args.counterexample:
+        _write_counterexample(Path(args.counterexample), None, result.scope, result.ops,
+                              result.counterexample, result.error)
     return 1
+
+
+def _write_counterexample(path: Path, bug: str | None, scope: object, ops: list | None,
+                          steps: list[str], error: str) -> None:
+    """A shrunk counterexample as JSON: what ``sfa-rd2h explain`` replays."""
+    from sfa_rd2h.model_check.cluster import scope_to_json
+
+    entry = {"bug": bug, "scope": scope_to_json(scope), "ops": [list(op) for op in ops or []],
+             "error": error.splitlines()[0] if error else "", "steps": list(steps)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entry, indent=1) + "\n")
+    print(f"wrote {path} (sfa-rd2h explain {path} --html OUT steps through it)",
+          file=sys.stderr)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
@@ -297,6 +313,13 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     survivors = [o.name for o in outcomes if not o.killed and not o.equivalent]
     if args.pin:
         _pin_counterexamples(Path(args.pin), outcomes)
+    if args.counterexamples:
+        for o in outcomes:
+            if o.killed and o.scope is not None:
+                last = o.counterexample[-1] if o.counterexample else ""
+                _write_counterexample(Path(args.counterexamples) / f"{o.name}.json", o.name,
+                                      o.scope, o.ops, o.counterexample,
+                                      last.split(" raised ", 1)[-1])
     if args.json:
         print(json.dumps([o.as_json() for o in outcomes], indent=2))
     else:
@@ -413,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after exactly this many deployments (machine-independent, "
                         "for CI)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--counterexample", metavar="FILE",
+                   help="on failure, also write the counterexample as JSON (sfa-rd2h explain "
+                        "reads it)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("mutants", help="run the checker against every seeded bug")
@@ -425,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--pin", help="write killed bugs' minimal counterexamples to this JSON file")
+    p.add_argument("--counterexamples", metavar="DIR",
+                   help="write each killed bug's counterexample as DIR/NAME.json (sfa-rd2h "
+                        "explain reads them)")
     p.set_defaults(func=cmd_mutants)
 
     from sfa_rd2h.runtime.tools.bench.serving import add_vllm_bench_parser
@@ -433,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     from sfa_rd2h.runtime.tools.hosts import add_hosts_parser
     from sfa_rd2h.runtime.tools.mutation import add_mutation_parser
     from sfa_rd2h.runtime.tools.probe import add_probe_parser
+    from sfa_rd2h.runtime.tools.review.commands import add_review_parsers
     from sfa_rd2h.runtime.tools.validate import add_validate_parser
     from sfa_rd2h.runtime.tools.vllm_demo import add_vllm_demo_parser
 
@@ -444,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hosts_parser(sub)
     add_bench_parser(sub)
     add_mutation_parser(sub)
+    add_review_parsers(sub)
 
     p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")
     p.add_argument("--max-states", type=_positive_int, default=None)
