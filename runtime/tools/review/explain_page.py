@@ -68,13 +68,22 @@ def _read(path: Path) -> _Proc:
     return proc
 
 
+def _frame(rec: dict[str, Any]) -> str:
+    kind = str(rec.get("kind"))
+    name = {"read_ready_batch": "READY", "malformed": "malformed frame"}.get(kind, kind.upper())
+    return name if rec.get("layer") is None else f"{name} L{rec['layer']}"
+
+
 def _describe(proc: _Proc, rec: dict[str, Any]) -> str:
     kind = rec.get("k")
     if kind == "tr":
-        return f"{proc.name}: {sequence._fired_label(rec)}"  # the sequence diagram's words
+        where = f"{rec.get('m')}[{rec.get('key')}]"
+        if rec.get("ev") == "start":
+            return f"{proc.name}: {where} starts {rec.get('dst')}"
+        return f"{proc.name}: {where} {rec.get('src')} -{rec.get('ev')}-> {rec.get('dst')}"
     if kind == "msg":
         way = "sends" if rec.get("dir") == "send" else "receives"
-        return f"{proc.name} {way} {sequence._frame_label(rec)} ({rec.get('peer')})"
+        return f"{proc.name} {way} {_frame(rec)} ({rec.get('peer')})"
     return f"{proc.name}: connection {rec.get('ev')} to {rec.get('peer')}"
 
 
@@ -106,7 +115,7 @@ def _arrows(procs: list[_Proc], step_of: dict[tuple[int, int], int]) -> list[lis
             if flow is None or (p, line) not in step_of:
                 continue
             (sends if flow[0] == "send" else recvs)[flow[1]].append((p, line))
-            labels[flow[1]] = sequence._frame_label(rec)
+            labels[flow[1]] = _frame(rec)
     out = []
     for key, queue in sends.items():
         for (sp, sl), (rp, rl) in zip(queue, recvs.get(key, ()), strict=False):

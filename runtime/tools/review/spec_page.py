@@ -73,8 +73,11 @@ def _merge_rows(old: list[dict], new: list[dict]) -> list[tuple[str, dict | None
     removed ones. Rows match by ``snapshot``'s transition key (source, trigger, guards,
     destination); an unmatched new row with the source, trigger and destination of an
     unmatched old one is that row changed."""
-    key = snapshot._transition_key  # the key `spec diff` matches rows by
-    free: dict[str, list[int]] = defaultdict(list)
+    def key(t: dict) -> tuple:  # what `spec diff` matches rows by
+        return (t["source"], t["trigger"], tuple(t.get("conditions", ())),
+                tuple(t.get("unless", ())), t["dest"])
+
+    free: dict[tuple, list[int]] = defaultdict(list)
     for i, t in enumerate(old):
         free[key(t)].append(i)
     merged: list[tuple[str, dict | None, dict | None]] = []
