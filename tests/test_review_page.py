@@ -209,3 +209,23 @@ def test_explain_steps_a_real_demo_trace(browser, tmp_path, demo_traces):
     assert page.locator(f"#instance-table tr[data-instance='{inst}'] td.state").inner_text() \
         == rec["dst"]
     view.close("explain_trace.png")
+
+
+def test_check_writes_a_counterexample_explain_replays(tmp_path, monkeypatch, capsys):  # C4
+    from sfa_rd2h.model_check import checker, mutants
+    from sfa_rd2h.runtime.tools.review.explain_page import explain_data
+
+    real = checker.run_check
+    monkeypatch.setattr(checker, "run_check", lambda budget, seed_value, **kw: real(
+        budget, seed_value, prefill_cls=mutants.NotifyBeforeLanded, **kw))
+    path = tmp_path / "cx.json"
+    assert main(["check", "--budget", "20", "--quiet", "--counterexample", str(path)]) == 1
+    entry = json.loads(path.read_text())
+    assert entry["bug"] is None and entry["ops"] and "C4 violated" in entry["error"]
+    # check names no bug (it ran the cores it was given); naming the core that ran replays
+    # the failure, which is the page's last step
+    entry["bug"] = "notify_before_landed"
+    path.write_text(json.dumps(entry))
+    data = explain_data(path)
+    assert data["failure"]["rule_id"] == "C4"
+    assert data["failure"]["step"] == len(data["steps"]) - 1
