@@ -290,6 +290,10 @@ class EngineServer:
                 found.append((int(stat.parent.name), comm))
         return sorted(found)
 
+    def processes(self) -> list[tuple[int, str]]:
+        """(pid, comm) of every live process of the engine (API server, EngineCore, worker)."""
+        return self._group()
+
     def dump_threads(self) -> int:
         """Ask the engine's vLLM worker processes to print every thread's stack to the log
         (SIGUSR1; the connector enables it, ``worker.enable_thread_dumps``). Returns how many
@@ -593,11 +597,16 @@ def complete(url: str, prompt: Sequence[int] | Sequence[Sequence[int]], max_toke
     return [list(c["token_ids"]) for c in choices]
 
 
+def metrics_text(url: str, timeout: float = 10.0) -> str:
+    """A server's Prometheus ``/metrics`` page as text."""
+    with _OPENER.open(f"{url}/metrics", timeout=timeout) as resp:
+        return resp.read().decode()
+
+
 def metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
     """A server's Prometheus ``/metrics`` as ``{name: value}`` (labels dropped, samples of
     one name summed): enough for the single-engine gauges used here."""
-    with _OPENER.open(f"{url}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
+    text = metrics_text(url, timeout)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

@@ -343,10 +343,9 @@ def _restore_numpy(state: Any) -> None:
 
 def labeled_metrics(url: str) -> dict[str, float]:
     """``/metrics`` keyed by the full sample name with its labels (``name{a="b"}``)."""
-    from sfa_rd2h.runtime.vllm.launch import _OPENER
+    from sfa_rd2h.runtime.vllm.launch import metrics_text
 
-    with _OPENER.open(f"{url}/metrics", timeout=10.0) as resp:
-        text = resp.read().decode()
+    text = metrics_text(url)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -379,7 +378,7 @@ def group_cpu_seconds(server: Any) -> float:
     """User + system CPU seconds of every live process of an engine's process group."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
-    for pid, _comm in server._group():
+    for pid, _comm in server.processes():
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
             total += int(fields[11]) + int(fields[12])
