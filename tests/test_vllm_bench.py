@@ -120,6 +120,14 @@ def test_decode_got_every_prompt_from_the_transfer(report: dict) -> None:
     stats = report["connector_stats"]["sfa"]
     # Decode received KV for every completed prompt (cancelled ones may or may not have it).
     completed = next(r for r in report["rows"] if r["system"] == "sfa")["completed"]
-    assert stats["decode"].get("requests_received", 0) >= completed
-    assert stats["decode"].get("requests_failed", 0) == 0
+    received = stats["decode"].get("requests_received", 0)
+    failed = stats["decode"].get("requests_failed", 0)
+    assert received >= completed
+    # A prompt cancelled before its first token may be aborted while its KV is arriving:
+    # Decode counts that as failed (R5); any other failure would have been an HTTP error,
+    # and there were none (test above). Every rendezvous Decode posted ends exactly once,
+    # received or failed.
+    cancelled = next(r for r in report["rows"] if r["system"] == "sfa")["cancelled"]
+    assert failed == 0 or cancelled > 0, stats["decode"]
+    assert received + failed == stats["decode"].get("rendezvous_posted", 0), stats["decode"]
     assert report["sfa_ttft_breakdown"]["c8"]["jobs"] > 0
