@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -53,6 +53,23 @@ _MAX_DIVERGENCES = 100
 
 
 # --------------------------------------------------------------------------- frames
+
+
+def records(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of every record of a trace file, for tools that show a
+    trace (the validator reads its own way: it reports every bad line instead of stopping).
+    A line that is no JSON object raises ``ValueError`` naming the file and the line."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    for line_no, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{line_no}: not a JSON record: {exc}") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{line_no}: a trace record is a JSON object")
+        yield line_no, rec
 
 
 def summarize(payload: bytes) -> tuple[str, int | None]:

@@ -160,14 +160,12 @@ class Lab:
     def down(self) -> list[str]:
         """Kill what still runs in the lab's namespaces, delete them; returns what it
         removed. Safe to call again, and on a lab that was only partly made."""
-        removed = []
-        for ns in [*(h.netns for h in self.hosts.values()), self.hub,
-                   *(n for n in list_namespaces() if n.startswith(f"{self.name}-"))]:
-            if ns in removed or ns not in list_namespaces():
-                continue
+        # Names hold no "-", so "<lab>-" prefixes exactly this lab's namespaces, the hub's
+        # and those of hosts a failed ``up`` made before it was recorded.
+        removed = [ns for ns in list_namespaces() if ns.startswith(f"{self.name}-")]
+        for ns in removed:
             _kill_all(ns)
             _ip("netns", "delete", ns, check=False)
-            removed.append(ns)
         self._state_file().unlink(missing_ok=True)
         return removed
 

@@ -21,14 +21,13 @@ regenerate it and compare.
 from __future__ import annotations
 
 import html
-import json
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sfa_rd2h.statemachines import render
+from sfa_rd2h.statemachines import render, trace
 
 EXAMPLE_NAME = "sequence_example"
 MAX_EVENTS = 400  # points drawn at most; a longer run is cut, and the diagram says so
@@ -82,13 +81,7 @@ def _fired_label(rec: dict[str, Any]) -> str:
 def _load(index: int, path: Path, budget: list[int]) -> _Process:
     proc = _Process(path.stem, "", None)
     current: _Event | None = None
-    for line_no, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"{path}:{line_no}: not a JSON record: {exc}") from None
+    for _, rec in trace.records(path):
         kind = rec.get("k")
         if kind == "process":
             proc.name = str(rec.get("name", path.stem))

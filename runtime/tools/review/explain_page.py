@@ -29,6 +29,7 @@ from sfa_rd2h.model_check import mutants
 from sfa_rd2h.runtime.tools import sequence
 from sfa_rd2h.runtime.tools.review.page import PageError, draw_machine, fill
 from sfa_rd2h.spec import invariants as catalog
+from sfa_rd2h.statemachines import trace
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.cores.prefill import PrefillCore
 from sfa_rd2h.statemachines.tables import MACHINES
@@ -48,16 +49,11 @@ class _Proc:
 
 def _read(path: Path) -> _Proc:
     proc = _Proc(path.stem, path.name)
-    for line, raw in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(),
-                               1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-        except ValueError as exc:
-            raise PageError(f"{path}:{line}: not a JSON record: {exc}") from None
-        if not isinstance(rec, dict):
-            raise PageError(f"{path}:{line}: a trace record is a JSON object")
+    try:
+        numbered = list(trace.records(path))
+    except ValueError as exc:
+        raise PageError(str(exc)) from None
+    for line, rec in numbered:
         if rec.get("k") == "process":
             proc.name = str(rec.get("name", proc.name))
             proc.role = str(rec.get("role", ""))
