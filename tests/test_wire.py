@@ -1176,3 +1176,69 @@ def test_a_large_ready_decodes_entry_by_entry_into_narrow_arrays(legacy: bool) -
         assert encode(msg) == frame
     assert _refusal(lambda: wire.decode(frame + b"\x00")) == (
         "not valid msgpack: trailing bytes after the message")  # as the whole frame says
+
+
+# ------------------------------------------------------------------ issue 20: the msgspec paths
+
+
+@FAST
+@given(messages)
+def test_property_encode_writes_msgpacks_bytes(msg: Any) -> None:  # W2
+    """msgspec encodes every message byte for byte as ``msgpack.packb(use_bin_type=True)``
+    packs the same fields: the wire format upstream peers read does not change."""
+    assert encode(msg) == pack(wire._fields(msg))
+
+
+def test_encode_takes_str_and_int_subclasses_and_numpy_ids_as_plain_values() -> None:
+    class Name(str):
+        pass
+
+    class Index(int):
+        pass
+
+    req = ReadReq("r", (np.int64(5), 2**31 - 1), [np.uint8(3)], Index(2), 0)
+    msg = ReadReadyBatch(Index(4), Name("layer"), (req,), (Name("r"),), 0, 1)
+    assert encode(msg) == pack([READ_READY_BATCH, 4, "layer", [["r", [5, 2**31 - 1], [3], 2, 0]],
+                                ["r"], 0, 1])
+    assert encode(MfMeta(Name("h:1"), LAYERS)) == encode(MfMeta("h:1", LAYERS))
+
+
+_edge_ids = st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, MAX_BLOCK_ID,
+                             MAX_BLOCK_ID + 1, 2**32 - 1, 2**32, 2**64 - 1, -1, -(2**63),
+                             True, False, 1.0, "1", None, b"\x01", [1]])
+
+
+@FAST
+@given(st.data())
+def test_property_fast_ready_path_accepts_only_what_the_general_path_accepts(
+        data: st.DataObject) -> None:  # W2, W5
+    """The msgspec path (``_ready_fast``) takes a READY only when the general path takes it
+    too, as the same message; every offence it passes on is worded by the general path."""
+    entries = [[f"r{i}", data.draw(_block_ids), data.draw(_block_ids),
+                data.draw(st.integers(0, MAX_BLOCK_ID)), data.draw(st.integers(0, 9))]
+               for i in range(data.draw(st.integers(0, 3)))]
+    fields = ready_fields(read_reqs=entries, done_ext_ids=["r0"], group_member_idx=1,
+                          tp_ratio=2)
+    where = data.draw(st.sampled_from(["none", "top", "entry", "id", "append"]))
+    if where == "top":
+        fields[data.draw(st.integers(1, len(fields) - 1))] = data.draw(values | _edge_ids)
+    elif where == "entry" and entries:
+        entries[0][data.draw(st.integers(0, 4))] = data.draw(values | _edge_ids)
+    elif where == "id" and entries and entries[-1][1]:
+        entries[-1][1][data.draw(st.integers(0, len(entries[-1][1]) - 1))] = data.draw(_edge_ids)
+    elif where == "append" and entries:
+        entries[0].append(data.draw(values))
+    frame = pack(fields)
+    fast = wire._ready_fast(frame)
+    if where == "none":
+        assert fast is not None  # Prefill's own shape takes the fast path
+    try:
+        general = wire._decode_ready(wire._unpack(frame))
+    except WireError:
+        assert fast is None
+        return
+    if fast is not None:
+        assert fast == general and fast.read_reqs == general.read_reqs
+        assert all(not ids.flags.writeable for r in fast.read_reqs
+                   for ids in (r.p_main_block_ids, r.p_indexer_block_ids))
+    assert decode(frame) == general
