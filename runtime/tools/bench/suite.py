@@ -56,7 +56,7 @@ FIGURES: tuple[tuple[str, str, str, float | None, str], ...] = (
     ("control_rtt_p99_ratio", "control_rtt_p99", "ratio", None, ""),
     ("prefill_layer_cpu_ratio", "prefill_layer_cpu", "ratio", 2.0, "<="),
     ("machine_share", "machine_share", "ratio", 0.10, "<="),
-    ("codec_ratio", "wire_ready_roundtrip", "ratio", 1.5, "<="),
+    ("codec_ratio", "wire_ready_roundtrip", "ratio", 1.0, "<="),
     ("decode_layer_ratio", "decode_core_layer", "ratio", 2.0, "<="),
     ("host_read_ratio_2mib", "host_read_2MiB", "inverse", 0.8, ">="),
     ("pipeline_efficiency", "pipeline", "inverse", 0.7, ">="),
