@@ -19,19 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from sfa_rd2h.runtime.tools.bench import serving
+from sfa_rd2h.runtime.tools.bench import serving, serving_load, serving_systems
 
 pytestmark = [pytest.mark.timeout(480)]
 
-SHAPE = serving.Shape(block_size=32, chunk_tokens=128, max_model_len=512, vocab=512)
+SHAPE = serving_load.Shape(block_size=32, chunk_tokens=128, max_model_len=512, vocab=512)
 
 
 def test_workload_is_seeded_and_covers_every_kind() -> None:
-    a = serving.make_workload(40, SHAPE, seed=3)
-    assert a == serving.make_workload(40, SHAPE, seed=3)
-    assert a != serving.make_workload(40, SHAPE, seed=4)
+    a = serving_load.make_workload(40, SHAPE, seed=3)
+    assert a == serving_load.make_workload(40, SHAPE, seed=3)
+    assert a != serving_load.make_workload(40, SHAPE, seed=4)
     kinds = {r.kind for r in a}
-    assert kinds == set(serving.KINDS)
+    assert kinds == set(serving_load.KINDS)
     for r in a:
         n = [len(p) for p in r.prompts]
         assert 1 <= r.max_tokens <= SHAPE.max_output
@@ -79,6 +79,119 @@ def test_arguments_become_the_config() -> None:
     assert (cfg.systems, cfg.sweep, cfg.rate, cfg.rounds) == (("single", "sfa"), (1, 4), 2.5, 2)
 
 
+def test_itl_is_per_request_not_per_socket_read() -> None:
+    # (e2e - TTFT) / (tokens - 1), whatever gaps the SSE events arrived with.
+    o = serving_load.Outcome(0, success=True, tokens=[[1] * 5], ttft=0.1, latency=0.5,
+                        itl=[0.0, 0.0, 0.4, 0.0])
+    assert serving_load.per_token_itl(o) == pytest.approx(0.1)
+    # A prompt list's choices are generated side by side: one choice's tokens count.
+    o2 = serving_load.Outcome(0, success=True, tokens=[[1] * 3, [2] * 3], ttft=0.1, latency=0.3)
+    assert serving_load.per_token_itl(o2) == pytest.approx(0.1)
+    one = serving_load.Outcome(0, tokens=[[1]], ttft=0.1, latency=0.2)
+    assert serving_load.per_token_itl(one) is None  # one token: no gap
+    unstreamed = serving_load.Outcome(0, tokens=[[1] * 4], latency=0.2)
+    assert serving_load.per_token_itl(unstreamed) is None
+
+
+def test_a_round_far_above_the_others_is_a_stall() -> None:
+    assert serving.stalled_rounds([1700.0, 90.0, 95.0], [40.0, 30.0, 35.0]) == [0]
+    assert serving.stalled_rounds([160.0, 90.0, 95.0], [40.0, 30.0, 35.0]) == []
+    assert serving.stalled_rounds([1700.0], [40.0]) == []  # nothing to compare with
+    assert serving.stalled_rounds([None, 90.0], [None, 30.0]) == []
+
+
+def test_decode_may_compute_what_its_connector_never_sends() -> None:
+    assert serving.local_tokens("sfa", 70, 32) == 1
+    assert serving.local_tokens("nixl", 64, 32) == 1
+    # ExampleConnector stores the whole blocks of the prompt minus its last token.
+    assert serving.local_tokens("example", 70, 32) == 6
+    assert serving.local_tokens("example", 64, 32) == 32
+    assert serving.local_tokens("example", 20, 32) == 20
+
+
+def test_each_system_gets_the_binding_it_would_get_alone() -> None:
+    from sfa_rd2h.runtime.vllm import launch
+
+    alone = serving_systems.system_binds(["single", "sfa", "nixl"], per_system=True)
+    assert alone == {"single": launch.cpu_binds(1), "sfa": launch.cpu_binds(2),
+                     "nixl": launch.cpu_binds(2)}
+    together = serving_systems.system_binds(["single", "sfa", "nixl"], per_system=False)
+    assert [b for n in ("single", "sfa", "nixl") for b in together[n]] == launch.cpu_binds(5)
+
+
+def test_example_engines_take_whole_prompts() -> None:
+    from sfa_rd2h.runtime.vllm import launch
+
+    opts = launch.EngineOptions(model="m", max_num_batched_tokens=128)
+    args = serving_systems.unchunked(opts).serve_args()
+    assert "--no-enable-chunked-prefill" in args and "--enable-chunked-prefill" not in args
+    assert args[args.index("--max-num-batched-tokens") + 1] == str(opts.max_model_len)
+    assert "--enable-chunked-prefill" in opts.serve_args()  # the others' unchanged
+
+
+class _Group:
+    """An engine stand-in: a process group (a shell and its child) like ``vllm serve``'s."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(["sh", "-c", "sleep 300 & wait"],
+                                     start_new_session=True)
+
+    def states(self) -> dict[int, str]:
+        out = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                rest = stat.read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(rest[2]) == self.proc.pid:
+                out[int(stat.parent.name)] = rest[0]
+        return out
+
+    def wait_states(self, want: set[str], n: int = 2) -> dict[int, str]:
+        import time
+
+        end = time.monotonic() + 10
+        while True:
+            got = self.states()
+            if (len(got) >= n and set(got.values()) <= want) or time.monotonic() > end:
+                return got
+            time.sleep(0.01)  # polling another process's state: nothing to await
+
+
+def test_a_paused_system_has_every_process_stopped_until_resumed() -> None:
+    import os
+    import signal
+
+    group = _Group()
+    try:
+        system = serving_systems.System("single", {"single": group})
+        assert set(group.wait_states({"S"}).values()) == {"S"}
+        system.pause()
+        assert system.paused
+        got = group.wait_states({"T"})
+        assert len(got) == 2 and set(got.values()) == {"T"}, got
+        system.resume()
+        got = group.wait_states({"S", "R"})
+        assert len(got) == 2 and "T" not in got.values(), got
+    finally:
+        os.killpg(group.proc.pid, signal.SIGKILL)
+        group.proc.wait(10)
+
+
+def test_a_peer_that_answers_nothing_is_reported_failed() -> None:
+    def turn(system: str, outcomes: list[serving_load.Outcome]) -> serving.Turn:
+        return serving.Turn(system, "c1", 0, 1.0, 0.0, outcomes, True, 0, 0, {}, [])
+
+    bad = [serving_load.Outcome(0, error="HTTP 500: boom\ntrace"),
+           serving_load.Outcome(1, error="x")]
+    assert serving.peer_failure("nixl", turn("nixl", bad)) == "failed: HTTP 500: boom"
+    assert serving.peer_failure("sfa", turn("sfa", bad)) is None  # never dropped
+    mixed = [*bad, serving_load.Outcome(2, success=True, tokens=[[1]])]
+    assert serving.peer_failure("example", turn("example", mixed)) is None
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("vllm")
@@ -103,6 +216,13 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
         assert row["failed"] == 0, (name, row["mismatches"])
         assert row["completed"] + row["cancelled"] == row["requests"], name
     assert report["equal"] and report["requests"] == 80 and report["failed"] == 0
+    # Each system ran alone: warmed up, then stopped outside its turns.
+    assert report["paused_outside_turns"]
+    assert set(report["binding"]) == {"single", "sfa"}
+    for name, warm in report["warmup"].items():
+        assert warm["failed"] == 0 and warm["drained"], (name, warm)
+    for row in rows.values():
+        assert row["itl_p50_ms"] is not None and len(row["ttft_max_ms_by_round"]) == 2
 
 
 @pytest.mark.e2e

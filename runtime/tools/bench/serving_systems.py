@@ -1,0 +1,293 @@
+"""The systems of ``sfa-rd2h vllm-bench``: their engines, how a request reaches them, and
+how each is kept to its own turns.
+
+``single`` is one engine, ``sfa`` the D-first proxy with a Prefill and a Decode engine,
+and the peers vLLM's own P/D connectors with the Prefill-then-Decode flow vLLM documents
+for them, driven from the client. Every system is started once and stopped (SIGSTOP of
+every process of its engines) outside its own turns, so no two systems' engines are ever
+busy at once and each gets the CPU binding it would get alone on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sfa_rd2h.runtime.tools.bench.serving_load import Req, send, send_pd
+
+SYSTEMS = ("single", "sfa", "example", "nixl")
+PEERS = ("example", "nixl")
+# How each peer's package is installed, for the "not measured" line.
+PEER_INSTALL = {"nixl": "pip install '.[peers]'  (nixl==1.5.1)"}
+NIXL_LEASE_S = 10  # NixlConnector's kv_lease_duration (s)
+
+
+# ---------------------------------------------------------------------------- systems
+
+
+def labeled_metrics(url: str) -> dict[str, float]:
+    """``/metrics`` keyed by the full sample name with its labels (``name{a="b"}``)."""
+    from sfa_rd2h.runtime.vllm.launch import metrics_text
+
+    text = metrics_text(url)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = float(value)
+    return out
+
+
+def source_tokens(url: str) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source_total`` by source (summed over engines)."""
+    out: dict[str, float] = {}
+    for key, value in labeled_metrics(url).items():
+        if key.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = key.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + value
+    return out
+
+
+def num_blocks(url: str) -> int:
+    for key in labeled_metrics(url):
+        if key.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="' in key:
+            raw = key.split('num_gpu_blocks="', 1)[1].split('"', 1)[0]
+            with contextlib.suppress(ValueError):
+                return int(raw)
+    return 0
+
+
+def group_cpu_seconds(server: Any) -> float:
+    """User + system CPU seconds of every live process of an engine's process group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid, _comm in server.processes():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+@dataclass
+class System:
+    """One system under test: the engines it owns and how a request reaches them."""
+
+    name: str
+    servers: dict[str, Any]  # role -> EngineServer (single | prefill, decode)
+    submit: Callable[[Any, Req], Any] | None = None
+    proxy: Any = None  # the sfa proxy
+    deployment: Any = None
+    shared_dir: str | None = None
+    binds: list[str] = field(default_factory=list)  # VLLM_CPU_OMP_THREADS_BIND per engine
+    paused: bool = False
+
+    @property
+    def decode(self) -> Any:
+        return self.servers.get("decode")
+
+    def _signal(self, sig: int) -> None:
+        for server in self.servers.values():
+            if server.proc is not None and server.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.proc.pid, sig)
+
+    def pause(self) -> None:
+        """SIGSTOP every process of every engine (API server, EngineCore, worker): a
+        stopped engine takes no CPU at all, where an idle one's OpenMP or progress threads
+        may still spin on the core the measured system needs."""
+        self._signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+        self.paused = False
+
+
+def peer_missing(name: str) -> str | None:
+    """Why a peer cannot run here (its install line), or None."""
+    import importlib.util
+
+    if name == "nixl" and importlib.util.find_spec("nixl") is None:
+        return f"not measured: nixl is not installed ({PEER_INSTALL['nixl']})"
+    return None
+
+
+def _peer_configs(name: str, ports: list[int], shared: str | None
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str],
+                             dict[str, Any] | None]:
+    """(Prefill kv config, Decode kv config, Prefill env, Decode env, Prefill's
+    kv_transfer_params) of a vLLM peer connector."""
+    if name == "example":
+        cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": shared}}
+        return cfg, cfg, {}, {}, None
+    if name == "nixl":
+        def cfg(role: str) -> dict[str, Any]:
+            # Prefill holds a request's blocks until Decode reads them or the lease
+            # (default 30 s) runs out: a client that left before Decode's call leaves
+            # them there that long.
+            return {"kv_connector": "NixlConnector", "kv_role": role,
+                    "kv_buffer_device": "cpu",
+                    "kv_connector_extra_config": {"kv_lease_duration": NIXL_LEASE_S}}
+
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        return (cfg("kv_producer"), cfg("kv_consumer"),
+                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[0])},
+                {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[1])},
+                {"do_remote_decode": True, "do_remote_prefill": False})
+    raise ValueError(f"unknown peer {name!r}")
+
+
+def unchunked(opts: Any) -> Any:
+    """``opts`` without chunked prefill, every prompt fitting one step's token budget."""
+    import dataclasses
+
+    from sfa_rd2h.runtime.vllm import launch
+
+    @dataclasses.dataclass(frozen=True)
+    class Unchunked(launch.EngineOptions):
+        def serve_args(self) -> list[str]:
+            return [a if a != "--enable-chunked-prefill" else "--no-enable-chunked-prefill"
+                    for a in super().serve_args()]
+
+    fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+    return Unchunked(**{**fields, "max_num_batched_tokens": opts.max_model_len})
+
+
+def engines_of(name: str) -> int:
+    return 1 if name == "single" else 2
+
+
+def system_binds(names: Sequence[str], per_system: bool) -> dict[str, list[str]]:
+    """Each system's ``VLLM_CPU_OMP_THREADS_BIND`` per engine. Paused between turns, every
+    system gets the binding it would get alone on this machine (``launch.cpu_binds`` over
+    its own engines: a core each while there are enough), so all are measured alike and
+    engines of different systems share a core only while one of them is stopped. Left
+    running (``pause=False``), the binding is over all engines at once: with more engines
+    than cores every engine is unpinned, as two pinned to one core starve each other."""
+    from sfa_rd2h.runtime.vllm import launch
+
+    if per_system:
+        return {n: launch.cpu_binds(engines_of(n)) for n in names}
+    every = iter(launch.cpu_binds(sum(engines_of(n) for n in names)))
+    return {n: [next(every) for _ in range(engines_of(n))] for n in names}
+
+
+def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
+                  say: Callable[[str], None], pause: bool = True, bind_all: bool = False
+                  ) -> tuple[dict[str, System], dict[str, str]]:
+    """Start every engine of every system (``system_binds``) and wait until all are
+    healthy; with ``pause``, each system is stopped (SIGSTOP) as soon as it is healthy and
+    runs only in its own turns. Returns the systems and, per peer that cannot run, why."""
+    from sfa_rd2h.runtime.vllm import launch
+
+    skipped = {n: why for n in names if n in PEERS and (why := peer_missing(n))}
+    names = [n for n in names if n not in skipped]
+    binds = system_binds(names, pause and not bind_all)
+    env = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    systems: dict[str, System] = {}
+
+    def up(system: System) -> None:
+        for server in system.servers.values():
+            server.wait_healthy(deadline)
+        if pause:
+            system.pause()
+
+    try:
+        for name in names:
+            if name == "single":
+                port = launch.free_ports(1)[0]
+                server = launch.launch_engine("single", opts, port=port, log_dir=logs,
+                                              cpu_bind=binds[name][0], env=env)
+                systems[name] = System(name, {"single": server}, binds=binds[name])
+            elif name in PEERS:
+                shared = tempfile.mkdtemp(prefix=f"{name}-kv-", dir=logs) \
+                    if name == "example" else None
+                http = launch.free_ports(4)
+                p_cfg, d_cfg, p_env, d_env, params = _peer_configs(name, http[2:], shared)
+                # ExampleConnector stores a request's KV only in the step that first
+                # schedules it, so a chunked prompt is stored in part and Decode's load
+                # fails on the shape: its engines take whole prompts (budget = model length).
+                p_opts = unchunked(opts) if name == "example" else opts
+                pre = launch.launch_engine(f"{name}-prefill", p_opts, port=http[0],
+                                           log_dir=logs, kv_config=p_cfg,
+                                           cpu_bind=binds[name][0], env={**env, **p_env})
+                dec = launch.launch_engine(f"{name}-decode", p_opts, port=http[1],
+                                           log_dir=logs, kv_config=d_cfg,
+                                           cpu_bind=binds[name][1], env={**env, **d_env})
+
+                def submit(session: Any, r: Req, p: Any = pre, d: Any = dec,
+                           params: Any = params) -> Any:
+                    return send_pd(session, p.url, d.url, r, params)
+
+                systems[name] = System(name, {"prefill": pre, "decode": dec}, submit,
+                                       shared_dir=shared, binds=binds[name])
+        if "sfa" in names:
+            dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
+                                    binds=list(binds["sfa"]))
+            dep.start(deadline)
+            systems["sfa"] = System("sfa", {"prefill": dep.prefill, "decode": dep.decode},
+                                    proxy=dep.proxy, deployment=dep, binds=binds["sfa"])
+            up(systems["sfa"])
+        for name, system in list(systems.items()):
+            if system.paused:
+                continue
+            try:
+                up(system)
+            except launch.EngineError as exc:
+                if name not in PEERS:
+                    raise
+                # A peer that does not start is reported; the others are still measured.
+                skipped[name] = f"failed: {first_line(str(exc))} (log {logs})"
+                stop_systems({name: systems.pop(name)})
+        for system in systems.values():
+            if system.submit is None:
+                url = system.proxy.url if system.proxy is not None \
+                    else system.servers["single"].url
+
+                def direct(session: Any, r: Req, url: str = url) -> Any:
+                    return send(session, url, r)
+
+                system.submit = direct
+    except BaseException:
+        stop_systems(systems)
+        raise
+    say(f"systems up: {', '.join(systems)}; binding "
+        + "; ".join(f"{n} {','.join(s.binds)}" for n, s in systems.items())
+        + (" (each paused outside its turns)" if pause else " (all running throughout)"))
+    return systems, skipped
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    return (text.strip().splitlines() or [""])[0][:limit]
+
+
+def stop_systems(systems: dict[str, System]) -> None:
+    for system in systems.values():
+        system.resume()  # a stopped process cannot act on SIGTERM
+        if system.deployment is not None:
+            system.deployment.close()
+        else:
+            for server in system.servers.values():
+                server.terminate()
+            for server in system.servers.values():
+                server.stop()
+
+
+@contextlib.contextmanager
+def turn_of(system: System, pause: bool) -> Any:
+    """``system`` running for the block, stopped again after it (with ``pause``)."""
+    if pause:
+        system.resume()
+    try:
+        yield system
+    finally:
+        if pause:
+            system.pause()
