@@ -234,7 +234,7 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
         raise LayoutError(f"L1: {what} block ids must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise LayoutError(f"L1: {what} block ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and int(arr.max()) > _I64_MAX:
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _I64_MAX:
         raise LayoutError(f"L1: {what} block id {int(arr.max())} is out of range")
     return arr.astype(np.int64, copy=False)
 
@@ -246,9 +246,15 @@ def validate_dest_range(dest_block_ids: Any, capacity: int, what: str) -> np.nda
     firmly as an out-of-range id. Returns the ids as int64.
     """
     ids = as_block_ids(dest_block_ids, what)
+    _dest_range(ids, capacity, what)
+    return ids
+
+
+def _dest_range(ids: np.ndarray, capacity: int, what: str) -> int:
+    """``validate_dest_range`` on int64 ids; returns their maximum (-1 for none)."""
     capacity = _plain_int(capacity, f"{what} destination capacity")
     if ids.size == 0:
-        return ids
+        return -1
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= capacity:
         bad = lo if lo < 0 else hi
@@ -262,7 +268,7 @@ def validate_dest_range(dest_block_ids: Any, capacity: int, what: str) -> np.nda
         raise LayoutError(
             f"L1: {what} destination block id {int(srt[dup[0]])} appears more than once"
         )
-    return ids
+    return hi
 
 
 def _distinct(ids: np.ndarray, capacity: int) -> bool:
@@ -288,8 +294,14 @@ def validate_src_range(src_block_ids: Any, num_blocks: int | None, what: str) ->
     only the range is checked. Returns the ids as int64.
     """
     ids = as_block_ids(src_block_ids, what)
+    _src_range(ids, num_blocks, what)
+    return ids
+
+
+def _src_range(ids: np.ndarray, num_blocks: int | None, what: str) -> int:
+    """``validate_src_range`` on int64 ids; returns their maximum (-1 for none)."""
     if ids.size == 0:
-        return ids
+        return -1
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
         raise LayoutError(f"L1: {what} source block id {lo} is negative")
@@ -300,7 +312,7 @@ def validate_src_range(src_block_ids: Any, num_blocks: int | None, what: str) ->
                 f"L1: {what} source block id {hi} is outside 0..{num_blocks - 1} "
                 f"(prefill registered {num_blocks})"
             )
-    return ids
+    return hi
 
 
 @dataclass(frozen=True, eq=False)
@@ -378,11 +390,11 @@ def concat(plans: Iterable[ReadPlan]) -> ReadPlan:
     ).coalesced()
 
 
-def _check_group_addrs(src: _SrcTensors, dst: DestLayout, tensors: range, src_ids: np.ndarray,
-                       dst_ids: np.ndarray, name: str) -> None:
-    """Check the highest address of each tensor of one group in Python ints: uint64
-    arithmetic would wrap silently."""
-    top = {"prefill": int(src_ids.max()) + 1, "decode": int(dst_ids.max()) + 1}
+def _check_group_addrs(src: _SrcTensors, dst: DestLayout, tensors: range, src_hi: int,
+                       dst_hi: int, name: str) -> None:
+    """Check the highest address of each tensor of one group (its highest ids given) in
+    Python ints: uint64 arithmetic would wrap silently."""
+    top = {"prefill": src_hi + 1, "decode": dst_hi + 1}
     for t in tensors:
         nbytes = src.ext_block_bytes[t]
         for side, base in (("prefill", src.base_addrs[t]), ("decode", dst.base_addrs[t])):
@@ -477,17 +489,17 @@ def plan_layer_reads(
         # The ids are shared by the group's tensors, so checking against the smallest
         # capacity covers them all with one sort.
         t_dst = min(tensors, key=lambda t: dst.num_blocks[t])
-        validate_dest_range(did, dst.num_blocks[t_dst], f"{name} tensor {t_dst}")
+        dst_hi = _dest_range(did, dst.num_blocks[t_dst], f"{name} tensor {t_dst}")
         if src_num_blocks is None:
-            validate_src_range(sid, None, name)
+            src_hi = _src_range(sid, None, name)
         else:
             t_src = min(tensors, key=lambda t: src_num_blocks[t])
-            validate_src_range(sid, src_num_blocks[t_src], f"{name} tensor {t_src}")
-        checked.append((name, tensors, sid, did))
+            src_hi = _src_range(sid, src_num_blocks[t_src], f"{name} tensor {t_src}")
+        checked.append((name, tensors, sid, did, src_hi, dst_hi))
 
     checked = [c for c in checked if c[2].size]
-    for name, tensors, sid, did in checked:
-        _check_group_addrs(s, dst, tensors, sid, did, name)
+    for name, tensors, _, _, src_hi, dst_hi in checked:
+        _check_group_addrs(s, dst, tensors, src_hi, dst_hi, name)
     if not checked:
         return ReadPlan.empty()
-    return _coalesced_plan(s, dst, [(tensors, sid, did) for _, tensors, sid, did in checked])
+    return _coalesced_plan(s, dst, [(tensors, sid, did) for _, tensors, sid, did, _, _ in checked])
