@@ -424,11 +424,11 @@ class DecodeCore:
                                 f"{int(size[entry])} registered blocks")
         main_src, main_dst = _gather([e.p_main_block_ids for e in live], n_main,
                                      [r.main_dest for r in reqs], cuts.main_lo, cuts.main_hi,
-                                     main_start)
+                                     main_start, main_size)
         if has_idx.any():  # an entry without indexer blocks has the empty piece (0, 0)
             idx_src, idx_dst = _gather([e.p_indexer_block_ids for e in live], n_idx,
                                        [r.indexer_dest for r in reqs], cuts.indexer_lo,
-                                       cuts.indexer_hi, idx_start)
+                                       cuts.indexer_hi, idx_start, idx_size)
         else:
             idx_src = idx_dst = np.zeros(0, dtype=np.int64)
         return plan_layer_reads(src, dst, main_src, main_dst, idx_src, idx_dst)
@@ -648,17 +648,20 @@ def _remember(table: dict, key: str, value: object, limit: int) -> None:
 
 
 def _gather(id_lists: list[np.ndarray], counts: np.ndarray, dests: list[np.ndarray],
-            lo: np.ndarray, hi: np.ndarray,
-            dest_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            lo: np.ndarray, hi: np.ndarray, dest_start: np.ndarray,
+            dest_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Entry ``i``'s source ids (``counts[i]`` of them) at positions ``[lo[i], hi[i])``,
     all entries joined into one array, and the destination blocks they land in:
-    ``dests[i]`` from ``dest_start[i] + lo[i]`` on. The ranges were checked against
-    ``dests`` (L1)."""
-    los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
+    ``dests[i]`` (``dest_sizes[i]`` of them) from ``dest_start[i] + lo[i]`` on. The ranges
+    were checked against ``dests`` (L1)."""
     if not lo.any() and np.array_equal(hi, counts):  # every piece is its whole list
         src = np.concatenate(id_lists)
+        if not dest_start.any() and np.array_equal(counts, dest_sizes):
+            return src, np.concatenate(dests)  # ... and fills its whole destination
     else:
-        src = np.concatenate([ids[a:b] for ids, a, b in zip(id_lists, los, his, strict=True)])
+        src = np.concatenate([ids[a:b] for ids, a, b
+                              in zip(id_lists, lo.tolist(), hi.tolist(), strict=True)])
+    los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
     dst = np.concatenate([d[at:at + b - a] for d, at, a, b
                           in zip(dests, ats, los, his, strict=True)])
     return src, dst
