@@ -192,6 +192,24 @@ def test_a_peer_that_answers_nothing_is_reported_failed() -> None:
     assert serving.peer_failure("example", turn("example", mixed)) is None
 
 
+def test_a_dead_peer_is_named_by_its_logs_last_exception() -> None:
+    class Logged:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def log_text(self) -> str:
+            return self.text
+
+    system = serving_systems.System("example", {
+        "prefill": Logged("ValueError: Tokenizer not available when "
+                          "`skip_tokenizer_init=True`\nall fine\n"),
+        "decode": Logged("Traceback (most recent call last):\n  File x\n"
+                         "ValueError: Counters can only be incremented by non-negative "
+                         "amounts.\n")})
+    assert serving.last_error(system) == ("; decode: ValueError: Counters can only be "
+                                          "incremented by non-negative amounts.")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("vllm")
@@ -250,4 +268,8 @@ def test_decode_got_every_prompt_from_the_transfer(report: dict) -> None:
     cancelled = next(r for r in report["rows"] if r["system"] == "sfa")["cancelled"]
     assert failed == 0 or cancelled > 0, stats["decode"]
     assert received + failed == stats["decode"].get("rendezvous_posted", 0), stats["decode"]
-    assert report["sfa_ttft_breakdown"]["c8"]["jobs"] > 0
+    bd = report["sfa_ttft_breakdown"]["c8"]
+    assert bd["jobs"] > 0
+    # The client's streams are matched to the proxy's jobs by completion id.
+    assert 0 < bd["matched_streams"] <= bd["jobs"]
+    assert bd["first_token_after_prefill_ms"] is not None

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -199,6 +200,9 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
         "decode_prompt_tokens_by_source": turn.sources,
         "recomputed_tokens": recomputed if turn.system != "single" else 0.0,
         "ttft_s": [round(x, 6) for x in ttft],
+        # (TTFT, e2e, tokens of one choice) per completed streamed request
+        "streams": [(round(o.ttft, 6), round(o.latency, 6), max(len(t) for t in o.tokens))
+                    for o in done if o.ttft is not None],
     }
 
 
@@ -239,25 +243,33 @@ def stalled_rounds(maxes: Sequence[float | None], p50s: Sequence[float | None]) 
     return out
 
 
-def breakdown(jobs: Sequence[dict[str, Any]], ttft_ms: float | None,
+def breakdown(jobs: Sequence[dict[str, Any]], outcomes: Sequence[Outcome],
               decode_stats: dict[str, float]) -> dict[str, Any]:
-    """Where ``sfa``'s TTFT goes, medians over the proxy's completed jobs: client to
-    Decode's rendezvous (Decode scheduled the request and allocated), rendezvous to
-    Prefill's answer (Prefill computed the prompt and pushed every layer), Prefill's answer
-    to the first token at the client (Decode's first step and the stream back)."""
+    """Where ``sfa``'s TTFT goes, medians over the proxy's completed jobs, each phase taken
+    per request: client to Decode's rendezvous (Decode scheduled the request and
+    allocated), rendezvous to Prefill's answer (Prefill computed the prompt and pushed every
+    layer), Prefill's answer to the first token at the client (Decode's first step and the
+    stream back; the job matched to the client's request by its completion id)."""
+    ttft = {o.resp_id: o.ttft * 1e3 for o in outcomes
+            if o.resp_id and o.ttft is not None and o.success and not o.cancelled}
     ok = [j for j in jobs if j.get("outcome") == "ok" and j.get("rendezvous_ms") is not None
           and j.get("prefill_done_ms") is not None]
     if not ok:
         return {}
-    rdv = statistics.median(j["rendezvous_ms"] for j in ok)
-    pre = statistics.median(j["prefill_done_ms"] - j["rendezvous_ms"] for j in ok)
-    hdr = statistics.median(j["decode_headers_ms"] for j in ok if j["decode_headers_ms"])
-    out = {"jobs": len(ok), "decode_headers_ms": round(hdr, 3),
-           "client_to_rendezvous_ms": round(rdv, 3), "prefill_compute_and_push_ms": round(pre, 3),
-           "decode_avg_layer_read_ms": decode_stats.get("avg_layer_read_ms")}
-    if ttft_ms is not None:
-        out["first_token_after_prefill_ms"] = round(ttft_ms - rdv - pre, 3)
-    return out
+
+    def med(xs: Sequence[float]) -> float | None:
+        return round(statistics.median(xs), 3) if xs else None
+
+    return {"jobs": len(ok),
+            "decode_headers_ms": med([j["decode_headers_ms"] for j in ok
+                                      if j["decode_headers_ms"] is not None]),
+            "client_to_rendezvous_ms": med([j["rendezvous_ms"] for j in ok]),
+            "prefill_compute_and_push_ms": med([j["prefill_done_ms"] - j["rendezvous_ms"]
+                                                for j in ok]),
+            "first_token_after_prefill_ms": med([ttft[j["id"]] - j["prefill_done_ms"]
+                                                 for j in ok if j["id"] in ttft]),
+            "matched_streams": sum(j["id"] in ttft for j in ok),
+            "decode_avg_layer_read_ms": decode_stats.get("avg_layer_read_ms")}
 
 
 # ---------------------------------------------------------------------------- the run
@@ -334,13 +346,22 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     warmups: dict[str, Any] = {}
     try:
         for name, system in systems.items():
-            if warm_reqs:
+            if not warm_reqs:
+                continue
+            try:
                 with turn_of(system, cfg.pause):
                     warmups[name] = warm_up(system, warm_reqs, time.monotonic() + 60)
+            except (OSError, launch.EngineError) as exc:
+                if name not in PEERS:
+                    raise
+                skipped[name] = f"failed: {first_line(str(exc))}{last_error(system)}"
+            else:
                 say(f"warm-up {name}: {json.dumps(warmups[name])}")
                 if name in PEERS and warmups[name]["failed"] == len(warm_reqs):
-                    skipped[name] = f"failed: {first_line(warmups[name]['errors'][0])}"
-                    say(f"{name}: {skipped[name]}")
+                    skipped[name] = (f"failed: {first_line(warmups[name]['errors'][0])}"
+                                     f"{last_error(system)}")
+            if name in skipped:
+                say(f"{name}: {skipped[name]}")
         say(f"engines up after {startup_s:.0f}s")
         rounds = max(1, min(cfg.rounds, cfg.requests))
         order = list(systems)
@@ -352,12 +373,19 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                         raise BenchError(f"--timeout {cfg.timeout_s:g}s passed")
                     if name in skipped:
                         continue
-                    with turn_of(systems[name], cfg.pause):
-                        turn = run_turn(systems[name], part, scenario, rnd, concurrency=conc,
-                                        rate=rate, seed=cfg.seed)
-                    say(f"{scenario} round {rnd} {name}: {len(part)} requests in "
-                        f"{turn.wall_s:.2f}s")
-                    why = peer_failure(name, turn)
+                    try:
+                        with turn_of(systems[name], cfg.pause):
+                            turn = run_turn(systems[name], part, scenario, rnd,
+                                            concurrency=conc, rate=rate, seed=cfg.seed)
+                    except (OSError, launch.EngineError) as exc:
+                        if name not in PEERS:
+                            raise
+                        turn = None
+                        why = f"failed: {first_line(str(exc))}{last_error(systems[name])}"
+                    else:
+                        say(f"{scenario} round {rnd} {name}: {len(part)} requests in "
+                            f"{turn.wall_s:.2f}s")
+                        why = peer_failure(name, turn)
                     if why:
                         # A peer that answers nothing is dropped with its reason, so the
                         # others' rows and ratios still come out.
@@ -365,6 +393,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                         turns = [t for t in turns if t.system != name]
                         say(f"{name}: {why}")
                         continue
+                    assert turn is not None
                     turns.append(turn)
         say("reference outputs from single")
         with turn_of(systems["single"], cfg.pause):
@@ -391,6 +420,21 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups
     return rep
+
+
+def last_error(system: System) -> str:
+    """``; <role>: <the last Python exception line of its log>`` per engine that logged one:
+    why a peer's engine stopped answering."""
+    found = []
+    for role, server in system.servers.items():
+        # vLLM's chat-template warm-up logs a harmless ValueError at start-up when the
+        # engine runs without a tokenizer: not a reason.
+        errs = [ln.strip() for ln in server.log_text().splitlines()
+                if re.match(r"\w*(Error|Exception): ", ln.strip())
+                and "skip_tokenizer_init" not in ln]
+        if errs:
+            found.append(f"{role}: {errs[-1][:200]}")
+    return "".join(f"; {f}" for f in found)
 
 
 def peer_failure(name: str, turn: Turn) -> str | None:
@@ -474,13 +518,18 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
                 top[f"ttft_p50_ratio_{p}"] = top[f"throughput_ratio_{p}"] = None
         top["sfa_ttft_breakdown"] = {
             sc: breakdown([j for t in turns if t.system == "sfa" and t.scenario == sc
-                           for j in t.jobs], table[sc]["sfa"]["ttft_p50_ms"],
+                           for j in t.jobs],
+                          [o for t in turns if t.system == "sfa" and t.scenario == sc
+                           for o in t.outcomes],
                           stats.get("sfa", {}).get("decode", {}))
             for sc in scenarios}
     return {**top, "systems": names, "not_measured": skipped, "rows": rows,
             "ttft_samples": {sc: {n: [x for t, f in per_turn if t.scenario == sc
                                       and t.system == n for x in f["ttft_s"]]
                                   for n in names} for sc in scenarios},
+            "stream_samples": {sc: {n: [x for t, f in per_turn if t.scenario == sc
+                                        and t.system == n for x in f["streams"]]
+                                    for n in names} for sc in scenarios},
             "connector_stats": stats, "workload": {**workload_summary(reqs),
                                                    "requests": cfg.requests,
                                                    "requests_all_scenarios": len(reqs),
@@ -517,6 +566,9 @@ def format_report(rep: dict[str, Any]) -> str:
     keys = [k for k in rep if k.endswith(tuple(f"_{p}" for p in ("single", *PEERS)))
             or k.endswith("_c1")]
     lines.append(", ".join(f"{k}={rep[k]}" for k in keys))
+    for st in rep.get("stalls", []):
+        lines.append(f"stall: {st['system']} {st['scenario']} round {st['round']}: TTFT max "
+                     f"{st['ttft_max_ms']} ms, p50 by round {st['ttft_p50_ms_by_round']}")
     if rep.get("sfa_ttft_breakdown"):
         lines.append(f"sfa TTFT breakdown: {json.dumps(rep['sfa_ttft_breakdown'])}")
     ok = rep["equal"] and not rep["leaked_blocks"] and rep["drained"] and not rep["jobs_left"]

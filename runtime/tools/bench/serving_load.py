@@ -128,6 +128,7 @@ class Outcome:
     latency: float = 0.0
     cancelled: bool = False
     params: dict[str, Any] | None = None  # kv_transfer_params a Prefill returned
+    resp_id: str | None = None  # the completion's id (the sfa proxy's job id)
 
 
 def _body(req: Req, max_tokens: int, stream: bool,
@@ -165,6 +166,7 @@ async def send(session: Any, url: str, req: Req, *, max_tokens: int | None = Non
                 return
             if not stream:
                 data = await resp.json()
+                out.resp_id = data.get("id")
                 for c in data["choices"]:
                     out.tokens[c["index"]] = list(c.get("token_ids") or [])
                 out.params = data.get("kv_transfer_params")
@@ -184,6 +186,7 @@ async def send(session: Any, url: str, req: Req, *, max_tokens: int | None = Non
                     if "error" in data:
                         out.error = f"stream error: {data['error'].get('message')}"
                         return
+                    out.resp_id = out.resp_id or data.get("id")
                     choices = data.get("choices") or []
                     if not choices:
                         continue
