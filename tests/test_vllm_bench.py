@@ -119,12 +119,13 @@ def test_each_system_gets_the_binding_it_would_get_alone() -> None:
     assert [b for n in ("single", "sfa", "nixl") for b in together[n]] == launch.cpu_binds(5)
 
 
-def test_example_engines_take_whole_prompts() -> None:
+def test_example_engines_take_whole_prompts_without_the_prefix_cache() -> None:
     from sfa_rd2h.runtime.vllm import launch
 
     opts = launch.EngineOptions(model="m", max_num_batched_tokens=128)
-    args = serving_systems.unchunked(opts).serve_args()
+    args = serving_systems.example_options(opts).serve_args()
     assert "--no-enable-chunked-prefill" in args and "--enable-chunked-prefill" not in args
+    assert "--no-enable-prefix-caching" in args
     assert args[args.index("--max-num-batched-tokens") + 1] == str(opts.max_model_len)
     assert "--enable-chunked-prefill" in opts.serve_args()  # the others' unchanged
 
@@ -206,7 +207,7 @@ def test_a_dead_peer_is_named_by_its_logs_last_exception() -> None:
         "decode": Logged("Traceback (most recent call last):\n  File x\n"
                          "ValueError: Counters can only be incremented by non-negative "
                          "amounts.\n")})
-    assert serving.last_error(system) == ("; decode: ValueError: Counters can only be "
+    assert serving_systems.last_error(system) == ("; decode: ValueError: Counters can only be "
                                           "incremented by non-negative amounts.")
 
 

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -54,6 +53,7 @@ from sfa_rd2h.runtime.tools.bench.serving_systems import (
     System,
     first_line,
     group_cpu_seconds,
+    last_error,
     num_blocks,
     source_tokens,
     start_systems,
@@ -420,21 +420,6 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups
     return rep
-
-
-def last_error(system: System) -> str:
-    """``; <role>: <the last Python exception line of its log>`` per engine that logged one:
-    why a peer's engine stopped answering."""
-    found = []
-    for role, server in system.servers.items():
-        # vLLM's chat-template warm-up logs a harmless ValueError at start-up when the
-        # engine runs without a tokenizer: not a reason.
-        errs = [ln.strip() for ln in server.log_text().splitlines()
-                if re.match(r"\w*(Error|Exception): ", ln.strip())
-                and "skip_tokenizer_init" not in ln]
-        if errs:
-            found.append(f"{role}: {errs[-1][:200]}")
-    return "".join(f"; {f}" for f in found)
 
 
 def peer_failure(name: str, turn: Turn) -> str | None:

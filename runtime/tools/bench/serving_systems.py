@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import tempfile
 from collections.abc import Callable, Sequence
@@ -145,20 +146,26 @@ def _peer_configs(name: str, ports: list[int], shared: str | None
     raise ValueError(f"unknown peer {name!r}")
 
 
-def unchunked(opts: Any) -> Any:
-    """``opts`` without chunked prefill, every prompt fitting one step's token budget."""
+def example_options(opts: Any) -> Any:
+    """``opts`` as ExampleConnector can run them: without chunked prefill, every prompt
+    fitting one step's token budget (it stores a request's KV only in the step that first
+    schedules it, so a chunked prompt is stored in part and Decode's load fails on the
+    shape), and without the prefix cache (it answers a hit of its stored tokens minus what
+    the prefix cache already computed, which goes negative and kills the engine)."""
     import dataclasses
 
     from sfa_rd2h.runtime.vllm import launch
 
+    swap = {"--enable-chunked-prefill": ["--no-enable-chunked-prefill",
+                                         "--no-enable-prefix-caching"]}
+
     @dataclasses.dataclass(frozen=True)
-    class Unchunked(launch.EngineOptions):
+    class ExampleOptions(launch.EngineOptions):
         def serve_args(self) -> list[str]:
-            return [a if a != "--enable-chunked-prefill" else "--no-enable-chunked-prefill"
-                    for a in super().serve_args()]
+            return [b for a in super().serve_args() for b in swap.get(a, [a])]
 
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
-    return Unchunked(**{**fields, "max_num_batched_tokens": opts.max_model_len})
+    return ExampleOptions(**{**fields, "max_num_batched_tokens": opts.max_model_len})
 
 
 def engines_of(name: str) -> int:
@@ -200,52 +207,52 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
         if pause:
             system.pause()
 
+    def launch_peer(name: str) -> None:
+        shared = tempfile.mkdtemp(prefix=f"{name}-kv-", dir=logs) \
+            if name == "example" else None
+        http = launch.free_ports(4)
+        p_cfg, d_cfg, p_env, d_env, params = _peer_configs(name, http[2:], shared)
+        p_opts = example_options(opts) if name == "example" else opts
+        pre = launch.launch_engine(f"{name}-prefill", p_opts, port=http[0], log_dir=logs,
+                                   kv_config=p_cfg, cpu_bind=binds[name][0],
+                                   env={**env, **p_env})
+        dec = launch.launch_engine(f"{name}-decode", p_opts, port=http[1], log_dir=logs,
+                                   kv_config=d_cfg, cpu_bind=binds[name][1],
+                                   env={**env, **d_env})
+
+        def submit(session: Any, r: Req, p: Any = pre, d: Any = dec,
+                   params: Any = params) -> Any:
+            return send_pd(session, p.url, d.url, r, params)
+
+        systems[name] = System(name, {"prefill": pre, "decode": dec}, submit,
+                               shared_dir=shared, binds=binds[name])
+
     try:
-        for name in names:
-            if name == "single":
-                port = launch.free_ports(1)[0]
-                server = launch.launch_engine("single", opts, port=port, log_dir=logs,
-                                              cpu_bind=binds[name][0], env=env)
-                systems[name] = System(name, {"single": server}, binds=binds[name])
-            elif name in PEERS:
-                shared = tempfile.mkdtemp(prefix=f"{name}-kv-", dir=logs) \
-                    if name == "example" else None
-                http = launch.free_ports(4)
-                p_cfg, d_cfg, p_env, d_env, params = _peer_configs(name, http[2:], shared)
-                # ExampleConnector stores a request's KV only in the step that first
-                # schedules it, so a chunked prompt is stored in part and Decode's load
-                # fails on the shape: its engines take whole prompts (budget = model length).
-                p_opts = unchunked(opts) if name == "example" else opts
-                pre = launch.launch_engine(f"{name}-prefill", p_opts, port=http[0],
-                                           log_dir=logs, kv_config=p_cfg,
-                                           cpu_bind=binds[name][0], env={**env, **p_env})
-                dec = launch.launch_engine(f"{name}-decode", p_opts, port=http[1],
-                                           log_dir=logs, kv_config=d_cfg,
-                                           cpu_bind=binds[name][1], env={**env, **d_env})
-
-                def submit(session: Any, r: Req, p: Any = pre, d: Any = dec,
-                           params: Any = params) -> Any:
-                    return send_pd(session, p.url, d.url, r, params)
-
-                systems[name] = System(name, {"prefill": pre, "decode": dec}, submit,
-                                       shared_dir=shared, binds=binds[name])
+        # Two waves, single and sfa first, then the peers: seven engines starting at
+        # once on this 24 GiB machine got one of them killed by the kernel's OOM killer.
+        if "single" in names:
+            port = launch.free_ports(1)[0]
+            server = launch.launch_engine("single", opts, port=port, log_dir=logs,
+                                          cpu_bind=binds["single"][0], env=env)
+            systems["single"] = System("single", {"single": server}, binds=binds["single"])
         if "sfa" in names:
             dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
                                     binds=list(binds["sfa"]))
+            systems["sfa"] = System("sfa", {}, deployment=dep, binds=binds["sfa"])
             dep.start(deadline)
-            systems["sfa"] = System("sfa", {"prefill": dep.prefill, "decode": dep.decode},
-                                    proxy=dep.proxy, deployment=dep, binds=binds["sfa"])
-            up(systems["sfa"])
-        for name, system in list(systems.items()):
-            if system.paused:
-                continue
+            systems["sfa"].servers = {"prefill": dep.prefill, "decode": dep.decode}
+            systems["sfa"].proxy = dep.proxy
+        for system in systems.values():
+            up(system)
+        peers = [n for n in names if n in PEERS]
+        for name in peers:
+            launch_peer(name)
+        for name in peers:
             try:
-                up(system)
+                up(systems[name])
             except launch.EngineError as exc:
-                if name not in PEERS:
-                    raise
                 # A peer that does not start is reported; the others are still measured.
-                skipped[name] = f"failed: {first_line(str(exc))} (log {logs})"
+                skipped[name] = f"failed: {first_line(str(exc))}{last_error(systems[name])}"
                 stop_systems({name: systems.pop(name)})
         for system in systems.values():
             if system.submit is None:
@@ -263,6 +270,21 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
         + "; ".join(f"{n} {','.join(s.binds)}" for n, s in systems.items())
         + (" (each paused outside its turns)" if pause else " (all running throughout)"))
     return systems, skipped
+
+
+def last_error(system: System) -> str:
+    """``; <role>: <the last Python exception line of its log>`` per engine that logged one:
+    why a peer's engine stopped answering."""
+    found = []
+    for role, server in system.servers.items():
+        # vLLM's chat-template warm-up logs a harmless ValueError at start-up when the
+        # engine runs without a tokenizer: not a reason.
+        errs = [ln.strip() for ln in server.log_text().splitlines()
+                if re.match(r"\w*(Error|Exception): ", ln.strip())
+                and "skip_tokenizer_init" not in ln]
+        if errs:
+            found.append(f"{role}: {errs[-1][:200]}")
+    return "".join(f"; {f}" for f in found)
 
 
 def first_line(text: str, limit: int = 300) -> str:
