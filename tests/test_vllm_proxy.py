@@ -285,3 +285,27 @@ def test_wildcard_host_needs_an_advertised_address():
         DisaggProxy(["http://p"], ["http://d"], host="0.0.0.0")
     proxy = DisaggProxy(["p:1"], ["d:2"], host="0.0.0.0", advertise_host="10.0.0.5")
     assert proxy.prefill == ["http://p:1"] and proxy.decode == ["http://d:2"]
+
+
+def test_pooled_engine_connections_expire_before_vllm_closes_them() -> None:
+    """A request sent on a pooled connection the engine's server is closing that instant is
+    reset, and the client gets a 502 from a healthy engine (seen under load: both sides used
+    5 s). The proxy must drop an idle connection before vLLM's API server would."""
+    import vllm.envs
+
+    from sfa_rd2h.runtime.vllm import proxy as proxy_module
+
+    server_idle_close = vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    assert proxy_module.KEEPALIVE_EXPIRY_S <= server_idle_close / 2, (
+        proxy_module.KEEPALIVE_EXPIRY_S, server_idle_close)
+    b = Backends().start()
+    try:
+        proxy = make_proxy(b)
+        try:
+            assert proxy._client is not None
+            pool = proxy._client._transport._pool  # httpx's connection pool (httpcore)
+            assert pool._keepalive_expiry == proxy_module.KEEPALIVE_EXPIRY_S
+        finally:
+            proxy.close()
+    finally:
+        b.close()
