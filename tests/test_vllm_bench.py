@@ -103,10 +103,13 @@ def test_a_round_far_above_the_others_is_a_stall() -> None:
 def test_decode_may_compute_what_its_connector_never_sends() -> None:
     assert serving.local_tokens("sfa", 70, 32) == 1
     assert serving.local_tokens("nixl", 64, 32) == 1
-    # ExampleConnector stores the whole blocks of the prompt minus its last token.
+    # ExampleConnector stores the whole blocks of the prompt minus its last two tokens.
     assert serving.local_tokens("example", 70, 32) == 6
     assert serving.local_tokens("example", 64, 32) == 32
+    assert serving.local_tokens("example", 33, 32) == 33
+    assert serving.local_tokens("example", 34, 32) == 2
     assert serving.local_tokens("example", 20, 32) == 20
+    assert serving.local_tokens("example", 1, 32) == 1
 
 
 def test_each_system_gets_the_binding_it_would_get_alone() -> None:
@@ -119,13 +122,12 @@ def test_each_system_gets_the_binding_it_would_get_alone() -> None:
     assert [b for n in ("single", "sfa", "nixl") for b in together[n]] == launch.cpu_binds(5)
 
 
-def test_example_engines_take_whole_prompts_without_the_prefix_cache() -> None:
+def test_example_engines_take_whole_prompts() -> None:
     from sfa_rd2h.runtime.vllm import launch
 
     opts = launch.EngineOptions(model="m", max_num_batched_tokens=128)
     args = serving_systems.example_options(opts).serve_args()
     assert "--no-enable-chunked-prefill" in args and "--enable-chunked-prefill" not in args
-    assert "--no-enable-prefix-caching" in args
     assert args[args.index("--max-num-batched-tokens") + 1] == str(opts.max_model_len)
     assert "--enable-chunked-prefill" in opts.serve_args()  # the others' unchanged
 

@@ -150,10 +150,11 @@ def _ms(x: float | None) -> float | None:
 def local_tokens(system: str, prompt_len: int, block_size: int) -> int:
     """The prompt tokens a P/D system's Decode computes itself by design: vLLM computes a
     prompt's last token on Decode when the whole prompt would be a hit (one per prompt);
-    ExampleConnector stores only the whole blocks of the prompt minus its last token, so
-    Decode computes the rest."""
+    ExampleConnector stores the whole blocks of the prompt minus its last token, less one
+    token (its ``align_to_block_size(n - 1)`` is ``(n - 2) // block * block``), so Decode
+    computes the rest."""
     if system == "example":
-        return prompt_len - (prompt_len - 1) // block_size * block_size
+        return prompt_len - max(0, (prompt_len - 2) // block_size * block_size)
     return 1
 
 
@@ -387,10 +388,11 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                             f"{turn.wall_s:.2f}s")
                         why = peer_failure(name, turn)
                     if why:
-                        # A peer that answers nothing is dropped with its reason, so the
-                        # others' rows and ratios still come out.
-                        skipped[name] = why
-                        turns = [t for t in turns if t.system != name]
+                        # A peer that fails is dropped with its reason, so the others'
+                        # rows and ratios still come out; its scenarios done so far stay.
+                        skipped[name] = f"{why} (in {scenario} round {rnd})"
+                        turns = [t for t in turns
+                                 if not (t.system == name and t.scenario == scenario)]
                         say(f"{name}: {why}")
                         continue
                     assert turn is not None
@@ -461,12 +463,12 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
     names = list(dict.fromkeys(t.system for t in turns))
     table: dict[str, dict[str, Any]] = {}
     for sc in scenarios:
-        table[sc] = {n: system_row([f for t, f in per_turn if t.scenario == sc
-                                    and t.system == n]) for n in names}
+        table[sc] = {n: system_row(fs) for n in names
+                     if (fs := [f for t, f in per_turn if t.scenario == sc and t.system == n])}
     at = f"c{RATIO_AT}" if f"c{RATIO_AT}" in table else scenarios[-1]
     rows = []
     for sc in scenarios:
-        for n in names:
+        for n in table[sc]:
             rows.append({"system": n, "scenario": sc, **table[sc][n]})
     top: dict[str, Any] = {
         "equal": all(f["equal"] for _t, f in per_turn),
@@ -495,12 +497,13 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
         top["throughput_ratio_single"] = ratio("sfa", "single", "throughput_tok_s")
         if "c1" in table:
             top["ttft_p50_ratio_single_c1"] = ratio("sfa", "single", "ttft_p50_ms", "c1")
+            top["itl_p50_ratio_single_c1"] = ratio("sfa", "single", "itl_p50_ms", "c1")
         for p in PEERS:
-            if p in names:
-                top[f"ttft_p50_ratio_{p}"] = ratio("sfa", p, "ttft_p50_ms")
-                top[f"throughput_ratio_{p}"] = ratio("sfa", p, "throughput_tok_s")
-            else:
-                top[f"ttft_p50_ratio_{p}"] = top[f"throughput_ratio_{p}"] = None
+            top[f"ttft_p50_ratio_{p}"] = ratio("sfa", p, "ttft_p50_ms")
+            top[f"throughput_ratio_{p}"] = ratio("sfa", p, "throughput_tok_s")
+            if "c1" in table:
+                top[f"ttft_p50_ratio_{p}_c1"] = ratio("sfa", p, "ttft_p50_ms", "c1")
+                top[f"throughput_ratio_{p}_c1"] = ratio("sfa", p, "throughput_tok_s", "c1")
         top["sfa_ttft_breakdown"] = {
             sc: breakdown([j for t in turns if t.system == "sfa" and t.scenario == sc
                            for j in t.jobs],

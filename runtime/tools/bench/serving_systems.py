@@ -147,22 +147,18 @@ def _peer_configs(name: str, ports: list[int], shared: str | None
 
 
 def example_options(opts: Any) -> Any:
-    """``opts`` as ExampleConnector can run them: without chunked prefill, every prompt
-    fitting one step's token budget (it stores a request's KV only in the step that first
-    schedules it, so a chunked prompt is stored in part and Decode's load fails on the
-    shape), and without the prefix cache (it answers a hit of its stored tokens minus what
-    the prefix cache already computed, which goes negative and kills the engine)."""
+    """``opts`` without chunked prefill, every prompt fitting one step's token budget:
+    ExampleConnector stores a request's KV only in the step that first schedules it, so a
+    chunked prompt is stored in part and Decode's load fails on the shape."""
     import dataclasses
 
     from sfa_rd2h.runtime.vllm import launch
 
-    swap = {"--enable-chunked-prefill": ["--no-enable-chunked-prefill",
-                                         "--no-enable-prefix-caching"]}
-
     @dataclasses.dataclass(frozen=True)
     class ExampleOptions(launch.EngineOptions):
         def serve_args(self) -> list[str]:
-            return [b for a in super().serve_args() for b in swap.get(a, [a])]
+            return [a if a != "--enable-chunked-prefill" else "--no-enable-chunked-prefill"
+                    for a in super().serve_args()]
 
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
     return ExampleOptions(**{**fields, "max_num_batched_tokens": opts.max_model_len})
