@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from netns_support import MADE, hosts, lab_name, left_behind, require_namespaces  # noqa: F401
+from test_runtime_e2e import _terminal_states
 
 from sfa_rd2h.runtime.tools import cli
 from sfa_rd2h.runtime.tools import hosts as hosts_mod
@@ -216,7 +217,6 @@ def test_the_demo_across_hosts_binds_and_advertises_each_hosts_own_address(
     cfg = DemoConfig(p_tp=2, d_tp=2, layers=4, slots=2, requests=4, block_tokens=16,
                      chunk_tokens=32, max_tokens=128, timeout=120.0, progress=False,
                      engine="mooncake", hosts="netns", trace_dir=str(trace_dir))
-    before = set(hosts_mod.list_namespaces())
     result = run_demo(cfg)
     assert result.ok and result.verified and result.trace_valid, result.summary()
     at = result.topology["addresses"]
@@ -227,7 +227,7 @@ def test_the_demo_across_hosts_binds_and_advertises_each_hosts_own_address(
     assert f'"endpoint":"{at["decode"]}:' in text  # Decode's ROUTER, on its host
     for wrong in ("127.0.0.1", "0.0.0.0", "localhost"):
         assert wrong not in text, wrong
-    assert set(hosts_mod.list_namespaces()) == before  # its lab went with it
+    assert left_behind([result.topology["lab"]]) == []  # its lab went with it
 
 
 def test_the_demo_refuses_the_host_engine_across_hosts() -> None:
@@ -236,3 +236,113 @@ def test_the_demo_refuses_the_host_engine_across_hosts() -> None:
     with pytest.raises(DemoConfigError, match="host engine reads only processes on its own "
                                               "host.*--engine mooncake"):
         run_demo(DemoConfig(engine="host", hosts="netns", progress=False))
+
+
+# ---------------------------------------------------------------- a link cut mid-transfer
+# ``demo --inject link-cut``: Decode rank 0, about to read layer ``layers // 2`` of the
+# victim (a single-chunk prompt of a prompt list), asks the parent to take the Prefill
+# host's link down; the parent restores it ``cut_seconds`` later, and only then submits the
+# last request (issue 19, item 6). TCP over veth, so a cut loses packets, it refuses none.
+
+CUT = {"p_tp": 2, "d_tp": 2, "layers": 4, "slots": 2, "requests": 4, "block_tokens": 16,
+       "chunk_tokens": 32, "max_tokens": 128, "timeout": 90.0, "progress": False,
+       "engine": "mooncake", "hosts": "netns", "inject": "link-cut",
+       # the Decode ranks' own agreement is not what is cut; on a loaded 2-core box a 2 s
+       # collective can miss its round (R2) for reasons that have nothing to do with the cut
+       "tp_timeout": 10.0}
+
+
+def _cut_run(tmp_path: Path, **kw: object):
+    pytest.importorskip("mooncake")
+    require_namespaces()
+    from sfa_rd2h.runtime.tools.demo import DemoConfig, make_workload, run_demo
+
+    cfg = DemoConfig(**{**CUT, **kw}, trace_dir=str(tmp_path / "traces"))  # type: ignore[arg-type]
+    result = run_demo(cfg)
+    work = make_workload(cfg)
+    # whatever the outcome: every process exited 0, the lab went with the run
+    assert result.exit_codes and all(c == 0 for c in result.exit_codes.values()), \
+        result.exit_codes
+    assert left_behind([result.topology["lab"]]) == []  # the lab went with the run
+    timeline = result.observed["link_cut"]
+    assert timeline["cut"] and timeline["down_s"] >= cfg.cut_length, timeline
+    # the request held back until the restore went out after it, and succeeded (W1)
+    (late,) = timeline["after"]
+    assert timeline["ended_s"][late] > timeline["down_s"], timeline
+    assert all(v == "ok" for v in result.outcomes[late].values()), result.outcomes[late]
+    for name, counters in result.processes.items():
+        if name.startswith("prefill"):
+            assert counters["slots_held"] == [], (name, counters)  # S1: every slot free
+    return result, work, timeline
+
+
+def test_a_link_cut_shorter_than_the_reply_timeout_is_survived(tmp_path: Path) -> None:
+    """1.5 s down, Prefill waiting 10 s for a reply (S5) and Decode 8 s for a read (S6):
+    TCP retransmits once the link is back, and nothing fails."""
+    result, work, timeline = _cut_run(
+        tmp_path, cut_seconds=1.5, reply_timeout=10.0, read_budget=8.0,
+        destination_wait=4.0, request_deadline=20.0)
+    assert result.ok and result.expectation_met, result.summary()
+    assert result.requests_failed == 0 and result.prefill_gate_errors == 0
+    assert result.verified and result.trace_valid
+    # the victim was in flight across the cut: it ended after the link went down
+    assert timeline["ended_s"][work.victim] > 0, timeline
+    assert all(counters["peers_lost"] == 0 for name, counters in result.processes.items()
+               if name.startswith("prefill")), result.processes
+
+
+def test_a_link_cut_longer_than_the_reply_timeout_fails_the_requests_in_flight(
+        tmp_path: Path) -> None:
+    """4 s down, Prefill's reply timeout 2 s: the Prefill rank decode0 reads from gives up
+    on its reader (S5) and its gates fail (S4); exactly the victim's step fails, on every
+    Decode rank, at the request deadline (R1: what the run shows - the late reads return
+    once the link is back, so neither S6 nor F2 gets to say it first); the request submitted
+    after the restore succeeds over a new connection (W1); every process exits 0 with no
+    thread left."""
+    result, work, timeline = _cut_run(tmp_path, cut_seconds=4.0)
+    assert result.ok and result.expectation_met, result.summary()
+    victims = sorted(ext for ext in work.index if ext.rsplit("-", 1)[0] ==
+                     work.victim.rsplit("-", 1)[0])
+    assert result.failed_requests == victims and len(victims) == 2, result.failed_requests
+    for ext in victims:
+        decode = {r: v for r, v in result.outcomes[ext].items() if r.startswith("decode")}
+        assert sorted(decode) == ["decode0", "decode1"], decode
+        assert all(v.startswith("failed: R1:") for v in decode.values()), decode
+        assert "S5: no reply within 2.0s" in result.outcomes[ext]["prefill0"]
+    assert result.processes["prefill0"]["peers_lost"] > 0  # its old connection dropped (S5)
+    assert result.prefill_gate_errors > 0
+    assert result.requests_ok == len(work.index) - len(victims) and result.verified
+    states = {name: set(reqs.values()) for name, reqs in
+              _terminal_states(tmp_path / "traces").items()}
+    assert states == {"decode0": {"succeeded", "failed"}, "decode1": {"succeeded", "failed"}}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a Mooncake read across a cut link blocks inside the engine "
+    "(MooncakeEngine.batch_transfer_sync_read -> TransferEngine._library_read, "
+    "runtime/engines/mooncake.py / base.py, on the Decode read lane) for the whole cut plus "
+    "TCP's retransmission backoff: the request's deadline (R1, 4 s) passes but it fails only "
+    "once the read returns (R5), after the link is back: 13.4 s after a 12 s cut, "
+    "~27 s after a 15 s or a 20 s one (the next retransmission after the restore)"))
+def test_a_long_link_cut_fails_the_requests_in_flight_before_the_link_is_back(
+        tmp_path: Path) -> None:
+    """12 s down, Decode's request deadline 4 s: the victims' failure should reach the
+    proxy while the link is still down, not when the blocked read finally returns."""
+    result, work, timeline = _cut_run(tmp_path, cut_seconds=12.0)
+    assert result.ok and result.expectation_met, result.summary()
+    victims = [ext for ext in result.failed_requests]
+    assert victims and max(timeline["ended_s"][ext] for ext in victims) < \
+        timeline["down_s"], timeline
+
+
+def test_a_link_cut_needs_hosts_of_their_own() -> None:
+    from sfa_rd2h.runtime.tools.demo import DemoConfig, DemoConfigError, run_demo
+
+    with pytest.raises(DemoConfigError, match="only --hosts netns gives Prefill a host"):
+        run_demo(DemoConfig(engine="mooncake", inject="link-cut", progress=False))
+    with pytest.raises(DemoConfigError, match="--cut-seconds is the length of --inject "
+                                              "link-cut's cut"):
+        run_demo(DemoConfig(cut_seconds=3.0, progress=False))
+    with pytest.raises(DemoConfigError, match="--cut-seconds must be > 0"):
+        DemoConfig(engine="mooncake", hosts="netns", inject="link-cut",
+                   cut_seconds=0.0).check()

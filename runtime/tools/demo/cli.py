@@ -66,6 +66,9 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=float, default=None,
                        help=f"{what}; default: short under a fault injection, else bounded "
                             "by --timeout")
+    p.add_argument("--cut-seconds", type=float, default=None,
+                   help="--inject link-cut: how long the Prefill host's link stays down "
+                        "(default: twice the fault runs' --reply-timeout)")
     p.add_argument("--kv-port", type=int, default=None,
                    help="Decode base port (default: a free span)")
     p.add_argument("--host", default=d.host, help="loopback or host address to use")
@@ -99,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         verbose=args.verbose, reply_timeout=args.reply_timeout,
         destination_wait=args.destination_wait, read_budget=args.read_budget,
         request_deadline=args.request_deadline,
-        tp_timeout=args.tp_timeout)
+        tp_timeout=args.tp_timeout, cut_seconds=args.cut_seconds)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

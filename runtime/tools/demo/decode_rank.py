@@ -36,6 +36,7 @@ from sfa_rd2h.spec.topology import decode_rank_port
 AGREEMENT_CLOSE_S = 2.0  # shutdown: the agreement thread is joined within this
 SLOW_MARGIN_S = 0.5  # slow-reader: how far past Prefill's reply timeout the slow read ends
 LATE_POLL_S = 0.005  # late-destinations: between two looks at the READYs waiting (C1)
+CUT_ACK_S = 30.0  # link-cut: the parent cuts the link (two `ip` calls) and acks within this
 
 
 class _FaultyReads(TransferEngine):
@@ -49,18 +50,22 @@ class _FaultyReads(TransferEngine):
     * ``slow`` (slow-reader): the read starts only after ``delay`` seconds, longer than
       Prefill's reply timeout and this rank's read budget.
     * ``crash`` (kill-decode, restart-decode): the process is SIGKILLed mid-read.
+    * ``cut`` (link-cut): before the first such read, the parent takes the Prefill host's
+      link down (``on_cut`` returns once it is down); the read then goes to the real engine,
+      across the cut link, as do all later ones.
     """
 
     name = "inject-faulty-reads"
 
     def __init__(self, inner: TransferEngine, mode: str, *, delay: float = 0.0,
-                 on_crash: Any = None) -> None:
+                 on_crash: Any = None, on_cut: Any = None) -> None:
         super().__init__()
         self.inner = inner
         self.mode = mode
         self.delay = delay
         self.fired = 0
         self._on_crash = on_crash
+        self._on_cut = on_cut
         self._ranges: tuple[np.ndarray, np.ndarray] | None = None
 
     def set_victim(self, starts: np.ndarray, lengths: np.ndarray) -> None:
@@ -93,7 +98,8 @@ class _FaultyReads(TransferEngine):
     def batch_transfer_sync_read(self, session: str, local_addrs: Any, peer_addrs: Any,
                                  lengths: Any) -> int:
         broken = self.mode == "raise" and self.fired > 0
-        if broken or self._hits(local_addrs, lengths):
+        once = self.mode == "cut" and self.fired > 0  # one cut; later reads just go through
+        if not once and (broken or self._hits(local_addrs, lengths)):
             self.fired += 1
             if self.mode == "fail":
                 return self._fail(TransferResult.BACKEND, "injected read failure")
@@ -101,6 +107,8 @@ class _FaultyReads(TransferEngine):
                 raise RuntimeError("injected transfer-engine failure")
             if self.mode == "crash":
                 self._on_crash()
+            if self.mode == "cut":
+                self._on_cut()
             if self.mode == "slow":
                 time.sleep(self.delay)  # the injected slowness itself, not a wait for anything
         result = self.inner.batch_transfer_sync_read(session, local_addrs, peer_addrs, lengths)
@@ -110,7 +118,19 @@ class _FaultyReads(TransferEngine):
 
 #: --inject value -> the read fault it injects, and the Decode rank it hits.
 _READ_FAULTS = {"read-failure": "fail", "engine-failure": "raise", "slow-reader": "slow",
-                "kill-decode": "crash", "restart-decode": "crash"}
+                "kill-decode": "crash", "restart-decode": "crash", "link-cut": "cut"}
+
+
+def _ask_for_cut(chan: Channel) -> None:
+    """link-cut: ask the parent (which holds the lab) to cut the Prefill host's link, and
+    return once it says the link is down. Runs on the reading thread, while the rank's main
+    thread waits for terminal states, so nothing else reads this pipe now."""
+    chan.send("cut")
+    if not chan.conn.poll(CUT_ACK_S):
+        raise RuntimeError(f"link-cut: the parent did not cut the link within {CUT_ACK_S:g}s")
+    reply = chan.conn.recv()
+    if reply != ("cut",):
+        raise RuntimeError(f"link-cut: the parent answered {reply!r}, not ('cut',)")
 
 
 def _fault_rank(plan: Plan) -> int:
@@ -285,7 +305,8 @@ def decode_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
             # reader and may reuse the slot (S5), so the late read must fail (S6).
             slow = times["reply_timeout"] + SLOW_MARGIN_S
             engine = injector = _FaultyReads(engine, fault, delay=slow,
-                                             on_crash=lambda: crash(tracer))
+                                             on_crash=lambda: crash(tracer),
+                                             on_cut=lambda: _ask_for_cut(chan))
         mem = _DecodeMemory(plan, rank, engine)
         stack.callback(close_quietly, mem.close)
         if injector is not None and fault == "crash":

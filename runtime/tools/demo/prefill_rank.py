@@ -30,6 +30,7 @@ from sfa_rd2h.spec.topology import tp_mapping
 # ---------------------------------------------------------------------------- Prefill
 
 FETCH_JOIN_S = WORK_POLL_S + 3.0  # the intake thread ends within one long poll of its stop
+FETCH_RETRY_S = 0.2  # after a failed long poll (link-cut: the host's link is down), pause
 
 
 class _PrefillKv:
@@ -79,7 +80,17 @@ def _prefill_fetch(plan: Plan, out: queue.Queue, stop: threading.Event) -> None:
 
     got = 0
     while got < plan.n and not stop.is_set():
-        for job in fetch_work(plan.proxy_url, "prefill", "prefill-0", timeout=WORK_POLL_S):
+        try:
+            jobs = fetch_work(plan.proxy_url, "prefill", "prefill-0", timeout=WORK_POLL_S)
+        except OSError:
+            # The proxy unreachable (link-cut: this host's link is down), or the answer
+            # lost with the connection: poll again. Work a long poll took for a client
+            # that went away goes back to its queue on the proxy.
+            if plan.cfg.inject != "link-cut":
+                raise
+            stop.wait(FETCH_RETRY_S)
+            continue
+        for job in jobs:
             out.put(job)
             got += len(job["requests"])
 
@@ -229,6 +240,9 @@ def prefill_rank(plan: Plan, rank: int, chan: Channel, peers: list[Connection],
         "frames_sent": worker.stats.frames_sent, "peers_lost": worker.stats.peers_lost,
         "gate_wait_seconds": timing["gate_wait"], "compute_seconds": timing["compute"],
         "request_errors": failed, "requests": sorted({e for s in steps for e in s}),
+        # S1: every slot free again once drained (a slot left held would block its layer)
+        "slots_held": [layer for layer in range(min(cfg.slots, cfg.layers))
+                       if not worker.layer_settled(layer)],
         "threads_left": live_threads(),
     })
 

@@ -284,21 +284,58 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     child is stopped and every /dev/shm file of the run is removed before this returns."""
     cfg.check()
     if cfg.hosts != "netns":
-        return _run_demo(cfg, {}, {})
+        return _run_demo(cfg, {}, {}, None)
     from sfa_rd2h.runtime.tools.hosts import Lab
 
     # One host each for the proxy (the metaserver), the Decode ranks and the Prefill ranks;
     # removed with whatever still runs there however the run ends.
     with Lab.up(HOST_ROLES, "d" + secrets.token_hex(3)) as lab:
-        return _run_demo(cfg, {r: lab[r].address for r in HOST_ROLES},
-                         {r: lab[r].netns for r in HOST_ROLES})
+        link_cut = _LinkCut(lab, "prefill", cfg.cut_length) if cfg.inject == "link-cut" \
+            else None
+        result = _run_demo(cfg, {r: lab[r].address for r in HOST_ROLES},
+                           {r: lab[r].netns for r in HOST_ROLES}, link_cut)
+    result.topology["lab"] = lab.name  # gone now: its namespaces were "<lab>-<host>"
+    return result
 
 
 #: The hosts of ``--hosts netns``: where the proxy, the Decode ranks and the Prefill ranks run.
 HOST_ROLES = ("proxy", "decode", "prefill")
 
 
-def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str]) -> DemoResult:
+class _LinkCut:
+    """``--inject link-cut``: one host's link, cut when Decode rank 0 asks (about to read
+    the victim's layer) and restored ``seconds`` later by the parent's event loop. That
+    timer is the fault itself - how long the link is down - not a wait for anything."""
+
+    def __init__(self, lab: Any, host: str, seconds: float) -> None:
+        self.lab, self.host, self.seconds = lab, host, seconds
+        self.cut_at: float | None = None
+        self.restored_at: float | None = None
+
+    def cut(self) -> None:
+        if self.cut_at is not None:
+            raise _Abort("link-cut: a second cut was asked for")
+        self.lab.cut(self.host)
+        self.cut_at = time.monotonic()
+
+    def due_in(self) -> float | None:
+        """Seconds until the restore is due; None when no restore is pending."""
+        if self.cut_at is None or self.restored_at is not None:
+            return None
+        return max(0.0, self.cut_at + self.seconds - time.monotonic())
+
+    def restore_if_due(self) -> None:
+        if self.due_in() == 0.0:
+            self.restore()
+
+    def restore(self) -> None:
+        if self.cut_at is not None and self.restored_at is None:
+            self.lab.restore(self.host)
+            self.restored_at = time.monotonic()
+
+
+def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
+              link_cut: _LinkCut | None) -> DemoResult:
     from sfa_rd2h.runtime.metaserver import ProxyServer
     from sfa_rd2h.runtime.tools.hosts import in_netns
     from sfa_rd2h.statemachines.trace import validate
@@ -333,6 +370,7 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
     procs: list[_Proc] = []
     problems: list[str] = []
     finished: dict[str, bool] = {}
+    finished_at: dict[str, float] = {}  # request -> when Decode rank 0 reported it
     lost: dict[str, str] = {}  # requests lost with a crashed Decode rank -> why
     computed: set[str] = set()  # requests whose last chunk Prefill rank 0 computed
     doomed = _doomed_rank(cfg)
@@ -412,9 +450,14 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise _Abort(f"timeout after {cfg.timeout:g}s while {stage}")
+                    due = link_cut.due_in() if link_cut is not None else None
                     live = {p.conn: p for p in procs if not p.eof}
                     sentinels = {p.proc.sentinel: p for p in procs if not p.exited}
-                    for obj in wait([*live, *sentinels], timeout=remaining):
+                    ready = wait([*live, *sentinels],
+                                 timeout=remaining if due is None else min(remaining, due))
+                    if link_cut is not None:
+                        link_cut.restore_if_due()
+                    for obj in ready:
                         if obj in live:
                             drain(live[obj])
                             continue
@@ -447,7 +490,7 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
                     p.ready = True
                 elif kind == "finished":
                     finished[msg[1]] = msg[2]
-                    t_last = time.monotonic()
+                    t_last = finished_at[msg[1]] = time.monotonic()
                     if bar is not None:
                         bar.update(1)
                 elif kind == "report":
@@ -458,6 +501,11 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
                     computed.update(msg[1])
                 elif kind == "closed":
                     p.threads_left = msg[1]
+                elif kind == "cut":
+                    if link_cut is None:
+                        raise _Abort(f"{p.name} asked for a link cut, but none is injected")
+                    link_cut.cut()
+                    p.conn.send(("cut",))
                 elif kind == "error":
                     raise _Abort(f"{p.name} failed:\n{msg[1]}")
 
@@ -474,8 +522,10 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
                     if work.victim in {f"{j[0]}-{k}" for k in range(len(j[1]))}]
             if batch_b:
                 late = [j for j in work.jobs if len(j[1]) == 1]
+            # link-cut: these go out once the link is back, over new connections (W1)
+            after = [j for j in work.jobs if j[0] in work.after]
             for job_id, prompts in work.jobs:
-                if (job_id, prompts) not in late:
+                if (job_id, prompts) not in late + after:
                     proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
             if batch_b:
                 restarted = f"{doomed}.1"
@@ -486,9 +536,18 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
                 pump(lambda: set(plan.index) - set(batch_b) <= computed,
                      "computing the requests lost in the crash")
             n_late = sum(len(j[1]) for j in late)
+            n_after = sum(len(j[1]) for j in after)
             if late:
-                pump(lambda: len(finished) + len(lost) >= plan.n - n_late, "moving KV")
+                pump(lambda: len(finished) + len(lost) >= plan.n - n_late - n_after,
+                     "moving KV")
                 for job_id, prompts in late:
+                    proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
+            if after:
+                assert link_cut is not None
+                victims = {f"{j}-{k}" for j, ps in late for k in range(len(ps))}
+                pump(lambda: link_cut.restored_at is not None and victims <= set(finished),
+                     "the link is cut: waiting for its restore and the victims' ends")
+                for job_id, prompts in after:
                     proxy.submit(prompts, "decode-0", "prefill-0", job_id=job_id)
             pump(lambda: len(finished) + len(lost) >= plan.n, "moving KV")
             pump(lambda: all(p.report is not None for p in procs if not p.doomed),
@@ -519,6 +578,11 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
             stop_by = min(stop_by, time.monotonic() + SHUTDOWN_S)
             if bar is not None:
                 bar.close()
+            if link_cut is not None:
+                try:
+                    link_cut.restore()  # a run that ended early: the lab goes down whole next
+                except Exception as exc:  # noqa: BLE001 - reported, the cleanup goes on
+                    problems.append(f"link-cut: restoring the link failed: {exc}")
             _stop_children(procs, stop_by)
             if relay is not None and not relay.close(_left(stop_by)):
                 problems.append("metaserver relay: a thread did not stop")
@@ -530,12 +594,15 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str])
         pids = {"parent": os.getpid(),
                 **{p.name: p.proc.pid for p in procs if p.proc.pid is not None}}
         seen = _Observed(finished, lost)
+        if link_cut is not None:
+            seen.link_cut = _cut_timeline(link_cut, finished_at, work.after)
         if relay is not None:
             seen.relay_cut, seen.relay_forwarded = relay.cut, relay.forwarded
         result = _judge(cfg, work, plan, procs, seen, problems, trace_dir, validate,
                         t_last - t_submit if finished else None, topology, interrupted)
         result.observed = {"lost": dict(lost), "metaserver_cuts": seen.relay_cut,
-                           "metaserver_forwarded": seen.relay_forwarded}
+                           "metaserver_forwarded": seen.relay_forwarded,
+                           "link_cut": seen.link_cut}
         result.trace_dir = cfg.trace_dir
         result.exit_codes = {p.name: p.proc.exitcode for p in procs}
         result.ports = ports
@@ -561,6 +628,22 @@ class _Observed:
     lost: dict[str, str]  # requests lost with a crashed Decode rank -> why
     relay_cut: int = 0  # metaserver-down: connections reset while the metaserver was down
     relay_forwarded: int = 0
+    # link-cut: when the link went down and came back, and when each request ended, in
+    # seconds from the cut (see ``_cut_timeline``); empty without a cut
+    link_cut: dict[str, Any] = field(default_factory=dict)
+
+
+def _cut_timeline(cut: _LinkCut, finished_at: dict[str, float],
+                  after_jobs: Sequence[str]) -> dict[str, Any]:
+    """link-cut, as the parent saw it: seconds from the cut to the restore, and to each
+    request's terminal state (negative: it ended before the cut)."""
+    if cut.cut_at is None:
+        return {"cut": False}
+    t0 = cut.cut_at
+    return {"cut": True, "down_s": None if cut.restored_at is None
+            else round(cut.restored_at - t0, 3),
+            "ended_s": {ext: round(t - t0, 3) for ext, t in finished_at.items()},
+            "after": [ext for ext in finished_at if ext.rsplit("-", 1)[0] in after_jobs]}
 
 
 def _judge(cfg: DemoConfig, work: Workload, plan: Plan | None, procs: list[_Proc],
@@ -766,7 +849,52 @@ def _predict(cfg: DemoConfig, work: Workload, plan: Plan, final: dict[str, bool]
         return (f"{work.victim}'s rendezvous goes out before its destinations are "
                 f"registered; its READYs wait for them (C1) and every request succeeds",
                 everything_ok and waited > 0)
+    if cfg.inject == "link-cut":
+        return _predict_link_cut(cfg, work, final, prefill, decode, seen)
     raise DemoConfigError(f"no prediction for injection {cfg.inject!r}")
+
+
+def _predict_link_cut(cfg: DemoConfig, work: Workload, final: dict[str, bool],
+                      prefill: list[dict[str, Any]], decode: list[dict[str, Any]],
+                      seen: _Observed) -> tuple[str, bool]:
+    """A cut shorter than ``reply_timeout`` is survived by TCP's retransmissions; a longer
+    one costs the requests in flight and nothing else (issue 19, item 6)."""
+    timeline = seen.link_cut
+    after = [ext for ext in final if ext.rsplit("-", 1)[0] in work.after]
+    cut_ok = bool(timeline.get("cut")) and timeline.get("down_s") is not None
+    fired = sum(r["injected"] for r in decode)
+    held = {f"prefill{r['rank']}": r["slots_held"] for r in prefill if r["slots_held"]}
+    base = cut_ok and fired == 1 and not held and bool(after) \
+        and all(final.get(ext) for ext in after)
+    where = (f"the Prefill host's link is cut for {cfg.cut_length:g}s as decode0 is about "
+             f"to read layer {cfg.inject_layer} of {work.victim}")
+    reply_timeout = cfg.timeouts()["reply_timeout"]
+    if cfg.cut_length < reply_timeout:
+        return (f"{where}, shorter than Prefill's reply timeout ({reply_timeout:g}s): TCP "
+                f"retransmits, every request succeeds byte-exact, no Prefill gate error, no "
+                f"slot held; the request submitted after the restore ({after}) too",
+                base and all(final.values()) and len(final) == len(work.index)
+                and sum(len(r["errors"]) for r in prefill) == 0)
+    steps = next((r["steps"] for r in prefill if r["rank"] == 0), [])
+    predicted = sorted({e for s in steps if work.victim in s for e in s})
+    failed = sorted(ext for ext, ok in final.items() if not ok)
+    # what each Decode rank said of each victim, by the rule that failed it
+    rules = sorted({str(r["errors"].get(ext, "")).split(":")[0] for r in decode
+                    for ext in predicted})
+    every_rank = all(r["outcomes"].get(ext) is False for r in decode for ext in predicted)
+    # S5 where decode0's reads were cut mid-way: the Prefill ranks it reads from; the
+    # others' readers may have answered before the cut
+    cut_readers = [r for r in prefill
+                   if tp_mapping(cfg.p_tp, cfg.d_tp).d_rank(r["rank"]) == 0]
+    s5 = bool(cut_readers) and all(r["peers_lost"] > 0 and r["errors"] for r in cut_readers)
+    return (f"{where}, longer than Prefill's reply timeout ({reply_timeout:g}s): the Prefill "
+            f"ranks decode0 reads from give up on it (S5) and observe gate errors (S4); "
+            f"exactly the "
+            f"requests of that step ({predicted}) fail, on every Decode rank (rules seen: "
+            f"{rules}); no slot held, nothing hangs; the request submitted after the restore "
+            f"({after}) succeeds over a new connection (W1)",
+            base and bool(predicted) and failed == predicted and every_rank and s5
+            and all(rule in ("R1", "S6", "F2") for rule in rules))
 
 
 _BULKY = ("rtts", "steps", "outcomes", "errors", "mismatches", "mismatch_at", "load_errors",

@@ -18,7 +18,7 @@ from sfa_rd2h.spec.topology import decode_base_port, tp_mapping
 
 INJECTIONS = ("none", "read-failure", "layout-mismatch", "stale-kv", "engine-failure",
               "kill-prefill", "kill-decode", "restart-decode", "metaserver-down",
-              "slow-reader", "late-destinations")
+              "slow-reader", "late-destinations", "link-cut")
 #: The injections that SIGKILL a rank (the parent expects that rank to die, not to report).
 CRASHES = ("kill-prefill", "kill-decode", "restart-decode")
 #: The protocol timeouts a demo run uses, in seconds, when not given (None): where a fault's
@@ -37,7 +37,13 @@ WORK_POLL_S = 2.0
 METASERVER_CUTS = 3
 #: The injections aimed at one request (the victim).
 VICTIM_INJECTIONS = ("read-failure", "engine-failure", "stale-kv", "slow-reader",
-                     "late-destinations")
+                     "late-destinations", "link-cut")
+#: The injections whose victim is a single-chunk request, so exactly one Prefill step (C2)
+#: carries it.
+ONE_STEP_VICTIM = ("read-failure", "engine-failure", "link-cut")
+#: ``link-cut``: how long the Prefill host's link stays down when ``cut_seconds`` is not
+#: given - longer than the fault runs' ``reply_timeout``, so Prefill gives up on its readers.
+LINK_CUT_S = 2 * FAULT_TIMEOUTS["reply_timeout"]
 #: How the Decode ranks agree on terminal status (R1, R2): over ZMQ (no torch needed), or
 #: over a torch.distributed gloo group (needs torch; what runs inside vLLM).
 TP_GROUPS = ("zmq", "gloo")
@@ -120,6 +126,12 @@ class DemoConfig:
     read_budget: float | None = None
     request_deadline: float | None = None
     tp_timeout: float | None = None
+    # link-cut: seconds the Prefill host's link is down (None: ``LINK_CUT_S``)
+    cut_seconds: float | None = None
+
+    @property
+    def cut_length(self) -> float:
+        return LINK_CUT_S if self.cut_seconds is None else self.cut_seconds
 
     def timeouts(self) -> dict[str, float]:
         """The protocol timeouts of this run: a value given wins; otherwise a fault
@@ -163,6 +175,19 @@ class DemoConfig:
             why = hosts.unavailable()
             if why is not None:
                 raise DemoConfigError(f"--hosts netns: {why}")
+        if self.cut_seconds is not None and self.inject != "link-cut":
+            raise DemoConfigError("--cut-seconds is the length of --inject link-cut's cut")
+        if self.inject == "link-cut":
+            if self.hosts != "netns":
+                raise DemoConfigError("link-cut takes the Prefill host's link down, and only "
+                                      "--hosts netns gives Prefill a host (and a link) of its "
+                                      "own; with --hosts local every process shares this "
+                                      "host's loopback")
+            if not self.cut_length > 0:
+                raise DemoConfigError("--cut-seconds must be > 0")
+            if self.requests < 3:
+                raise DemoConfigError("link-cut needs --requests >= 3: one before the cut, "
+                                      "the victim, and one submitted after the link is back")
         if self.tp_group not in TP_GROUPS:
             raise DemoConfigError(f"unknown TP group {self.tp_group!r}; known: {TP_GROUPS}")
         if self.tp_group == "gloo" and importlib.util.find_spec("torch") is None:
@@ -215,6 +240,8 @@ class Workload:
     index: dict[str, int]  # external request id -> pattern request index
     tokens: dict[str, int]
     victim: str | None  # read-failure: the request whose reads fail
+    # link-cut: the jobs submitted only once the link is back (W1)
+    after: tuple[str, ...] = ()
 
     @property
     def ids(self) -> list[str]:
@@ -231,7 +258,7 @@ def make_workload(cfg: DemoConfig) -> Workload:
     # under way; otherwise the second request.
     singles = cfg.requests - n_list
     victim_i = singles if n_list else min(1, cfg.requests - 1)
-    if cfg.inject in ("read-failure", "engine-failure"):
+    if cfg.inject in ONE_STEP_VICTIM:
         lengths[victim_i] = min(cfg.chunk_tokens, cfg.max_tokens)  # exactly one step (C2)
     filler = "the quick brown fox jumps over the lazy dog; " * (cfg.max_tokens // 40 + 2)
     prompts = [(f"[{i}] " + filler)[:n] for i, n in enumerate(lengths)]
@@ -250,7 +277,10 @@ def make_workload(cfg: DemoConfig) -> Workload:
             tokens[ext] = len(p.encode())  # the proxy's stand-in tokenizer
             i += 1
     victim = list(index)[victim_i] if cfg.inject in VICTIM_INJECTIONS else None
-    return Workload(jobs, index, tokens, victim)
+    # link-cut: the last single prompt that is not the victim goes out after the restore
+    after = tuple(j for j, ps in jobs[singles - 1:singles] if f"{j}-0" != victim) \
+        if cfg.inject == "link-cut" else ()
+    return Workload(jobs, index, tokens, victim, after)
 
 
 def engine_kwargs(cfg: DemoConfig, role: str) -> dict[str, Any]:
