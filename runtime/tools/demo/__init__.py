@@ -74,6 +74,17 @@ Injections and what they predict (the exit code is 0 only when the outcome match
   the late read fails its budget (S6), so exactly the victim's step fails, nothing hangs.
 * ``late-destinations``: the victim's rendezvous goes out before its destinations are
   registered; they are registered once a READY waits for them (C1); all succeed.
+* ``link-cut`` (``--hosts netns`` only; ``--cut-seconds S``): Decode rank 0, about to read
+  layer ``layers // 2`` of the victim (a single-chunk prompt of the prompt list, submitted
+  once the others finished), asks the parent over its pipe to cut the Prefill host's link;
+  the parent takes it down (``Lab.cut``), acks, and restores it S seconds later - that timer
+  is the fault itself. The last single prompt is submitted only once the link is back and
+  the victim's requests ended. A cut shorter than Prefill's reply timeout is survived (TCP
+  retransmits): every request succeeds byte-exact, no gate error. A longer one: the
+  Prefill ranks decode0 reads from give up on it (S5, S4), exactly the victim's step fails
+  on every Decode rank (R1, the deadline: the blocked reads return only after the restore,
+  so S6/F2 do not come first), no slot stays held, and the late prompt succeeds over a new
+  connection (W1). Default S: twice the fault runs' reply timeout.
 
 Every run reports, per request, its outcome on every rank (``DemoResult.outcomes``).
 """
