@@ -71,3 +71,32 @@ def test_the_load_runs_until_stopped_and_leaves_nothing() -> None:
     finally:
         load.stop()
     assert load.hogs_alive() == 0 and all(p.poll() is not None for p in load.procs)
+
+
+def test_a_killed_run_still_reports_the_runs_that_finished(tmp_path: Path) -> None:
+    """Hours of runs must survive a kill: SIGTERM after the first module run finished still
+    prints the table and writes the JSON, marked as cut short, and exits with the signal."""
+    import json
+    import signal
+    import subprocess
+
+    out = tmp_path / "stress.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / ".ci" / "stress"), "--full", "0", "--repeat", "5",
+         "--hogs", "0", "--no-shm-noise", "--modules", "test_interop", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # blocks until the script says the first run ended
+        lines.append(line)
+        if "tests/test_interop.py#1:" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    assert "INTERRUPTED after 1 run(s)" in rest, rest
+    assert "| tests/test_interop.py " in rest, rest
+    report = json.loads(out.read_text())
+    assert report["interrupted"] is True
+    assert report["modules"]["tests/test_interop.py"]["runs"] > 0
+    assert len(report["invocations"]) == 1
