@@ -276,6 +276,13 @@ def _cut_run(tmp_path: Path, **kw: object):
     return result, work, timeline
 
 
+def _connections(trace_dir: Path, name: str) -> list[tuple[str, str, str]]:
+    """A Prefill rank's connection lifecycle from its trace: (event, peer, connection)."""
+    records = (json.loads(line) for line in (trace_dir / f"{name}.jsonl").read_text()
+               .splitlines())
+    return [(r["ev"], r["peer"], r["conn"]) for r in records if r["k"] == "conn"]
+
+
 def test_a_link_cut_shorter_than_the_reply_timeout_is_survived(tmp_path: Path) -> None:
     """1.5 s down, Prefill waiting 10 s for a reply (S5) and Decode 8 s for a read (S6):
     TCP retransmits once the link is back, and nothing fails."""
@@ -289,6 +296,9 @@ def test_a_link_cut_shorter_than_the_reply_timeout_is_survived(tmp_path: Path) -
     assert timeline["ended_s"][work.victim] > 0, timeline
     assert all(counters["peers_lost"] == 0 for name, counters in result.processes.items()
                if name.startswith("prefill")), result.processes
+    for name in ("prefill0", "prefill1"):  # one connection each, kept across the cut
+        events = _connections(tmp_path / "traces", name)
+        assert [ev for ev, _p, _c in events] == ["open", "close"], (name, events)
 
 
 def test_a_link_cut_longer_than_the_reply_timeout_fails_the_requests_in_flight(
@@ -310,6 +320,13 @@ def test_a_link_cut_longer_than_the_reply_timeout_fails_the_requests_in_flight(
         assert all(v.startswith("failed: R1:") for v in decode.values()), decode
         assert "S5: no reply within 2.0s" in result.outcomes[ext]["prefill0"]
     assert result.processes["prefill0"]["peers_lost"] > 0  # its old connection dropped (S5)
+    # W1: prefill0's connection to decode0 was lost and replaced by a new one, which is
+    # the one open at the end (the late request's READYs went over it)
+    events = _connections(tmp_path / "traces", "prefill0")
+    kinds = [ev for ev, _p, _c in events]
+    assert "lost" in kinds and kinds[-1] == "close", events
+    assert kinds.index("lost") < len(kinds) - 1 - kinds[::-1].index("open"), events
+    assert len({c for ev, _p, c in events if ev == "open"}) >= 2, events
     assert result.prefill_gate_errors > 0
     assert result.requests_ok == len(work.index) - len(victims) and result.verified
     states = {name: set(reqs.values()) for name, reqs in
