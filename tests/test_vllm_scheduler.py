@@ -439,6 +439,48 @@ def test_decode_waits_for_remote_kv_then_decodes(pair, metaserver, tmp_path):
     assert report.files == 2 and report.ok, report.summary()
 
 
+def test_decode_agrees_only_while_a_request_awaits_its_outcome(pair, metaserver):
+    """R2's agreement round is a collective over vLLM's TP group at TP > 1 (about 1.6 ms a
+    step at TP=2 on this loaded machine, as long as a decode step here): it runs only in
+    steps whose metadata says a request registered for receiving is not yet reported in
+    finished_recving. Every rank gets the same metadata, so all ranks skip the same rounds;
+    a request cancelled while receiving still gets its round (its blocks come back)."""
+    p, d = pair()
+    rounds = lambda: d.half.agreement.rounds  # noqa: E731
+    d.step()
+    d.step()
+    assert rounds() == 0 and [m.receiving for m in d.metas] == [False, False]
+
+    rid_d, rid_p = "cmpl-agree-0-dddddddd", "cmpl-agree-0-pppppppp"
+    start_decode(d, rid_d, 40, metaserver, max_tokens=6)
+    d.step()
+    assert d.metas[-1].receiving and rounds() == 1
+    d_blocks = d.block_ids(rid_d)
+    d.step()
+    assert rounds() == 2  # still waiting for Prefill: every step agrees
+    p.sched.add_request(prefill_request(rid_p, 40, rendezvous_for(metaserver, "cmpl-agree-0", 1)))
+    p.step()
+    receive(d, rid_d)
+    check_kv(p, d, rid_p, d_blocks)
+    reported = rounds()
+    out = finish_decode(d, rid_d)  # the decode steps after the report agree on nothing
+    assert str(out.finish_reason) == "length"
+    assert rounds() == reported and d.metas[-1].receiving is False
+
+    # Cancelled before any KV came: not reported yet, so the next step still agrees.
+    rid2 = "cmpl-agree-1-dddddddd"
+    start_decode(d, rid2, 40, metaserver)
+    d.step()
+    d.sched.finish_requests(rid2, ABORTED)
+    before = rounds()
+    d.step()
+    assert rounds() == before + 1 and d.metas[-1].receiving
+    assert not d.sched.requests and d.free_blocks() == NUM_BLOCKS - 1
+    d.step()
+    assert rounds() == before + 1 and d.metas[-1].receiving is False
+    assert p.half.wait_for_sends(WAIT) == []
+
+
 def test_prefill_tracks_chunks(pair, metaserver):
     # Prefill computes the 40-token prompt in chunks of 16: each step's READYs cover the
     # blocks completed since the last chunk, the final one the partial block (C2).

@@ -63,6 +63,10 @@ class Rd2hMetadata(KVConnectorMetadata):
     recv: list[RecvRequest] = field(default_factory=list)
     cancel_recv: dict[str, str] = field(default_factory=dict)  # vLLM aborted: req -> reason
     fail_recv: dict[str, str] = field(default_factory=dict)  # rendezvous failed: req -> error
+    # Some request registered for receiving is not yet reported in finished_recving. The
+    # same value reaches every TP rank, so all ranks skip the agreement round together
+    # when it is False (R2); True unless the scheduler half says otherwise.
+    receiving: bool = True
     # Prefill
     send: list[SendRequest] = field(default_factory=list)
     extend: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)

@@ -133,6 +133,9 @@ class ConsumerScheduler:
         self.poster = RendezvousPoster(cfg)
         self._local_hit: dict[str, int] = {}  # req -> block-aligned local prefix hit
         self._waiting: dict[str, str] = {}  # req -> ext id: registered, KV not yet arrived
+        # Registered with the worker and not yet in finished_recving, cancelled ones too:
+        # while it is empty no rank has an outcome to agree on.
+        self._unreported: set[str] = set()
         self._meta = Rd2hMetadata()
         self._reported = (0, 0)  # poster counters already reported as stats
 
@@ -173,6 +176,7 @@ class ConsumerScheduler:
             req_id, ext, _group_ids(ids, self.cfg.main_kv_group),
             _group_ids(ids, self.cfg.indexer_kv_group), local_hit // self.block_size))
         self._waiting[req_id] = ext
+        self._unreported.add(req_id)
         if not url:
             self._meta.fail_recv[req_id] = (
                 "C1: no metaserver URL in kv_transfer_params nor in the connector config")
@@ -188,11 +192,13 @@ class ConsumerScheduler:
             if req_id in self._waiting:
                 self._meta.fail_recv[req_id] = error
         meta, self._meta = self._meta, Rd2hMetadata()
+        meta.receiving = bool(self._unreported)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
             self._waiting.pop(req_id, None)
+            self._unreported.discard(req_id)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Decode never holds blocks; a request vLLM gave up on while its KV was still

@@ -574,6 +574,9 @@ class ConsumerWorker:
         self._cancelled: set[str] = set()
         self._unregistered: dict[str, str | None] = {}  # req -> error; never reached the core
         self._invalid: set[int] = set()  # R5: reported once, then forgotten
+        # The step's Rd2hMetadata.receiving: False when no request awaits its outcome, so
+        # the agreement round (a collective over the TP group at TP > 1) is skipped.
+        self._receiving = True
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = collect_layers(kv_caches, self.kv_cache_config, self.cfg)
@@ -615,6 +618,7 @@ class ConsumerWorker:
 
     def begin_step(self, meta: Rd2hMetadata) -> None:
         """Register the step's new destinations (C1) and cancel what vLLM gave up on."""
+        self._receiving = meta.receiving
         for recv in meta.recv:
             blocks = np.asarray(recv.main_block_ids[recv.first_block:], dtype=np.int64)
             if self.worker is None:
@@ -653,7 +657,9 @@ class ConsumerWorker:
                 log.error("Decode rank %d: request %s failed: %s", self.rank, req_id, error)
             self._cancelled.discard(req_id)
         self._unregistered.clear()
-        if self.worker is None or self.agreement is None:
+        if self.worker is None or self.agreement is None or not self._receiving:
+            # Not receiving: every rank got the same metadata, so every rank skips this
+            # round and the ranks still join the same collectives in the same order (R2).
             return finished, failed
         outcomes: list[RequestFinished] = self.agreement.round(self.worker)
         for done in outcomes:
