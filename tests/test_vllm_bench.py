@@ -242,6 +242,8 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
     assert set(report["binding"]) == {"single", "sfa"}
     for name, warm in report["warmup"].items():
         assert warm["failed"] == 0 and warm["drained"], (name, warm)
+    assert report["warmup"]["sfa"]["breakdown"]["jobs"] == 16  # the first burst's phases
+    assert len(report["sfa_ttft_breakdown_by_round"]["c8"]) == 2
     for row in rows.values():
         assert row["itl_p50_ms"] is not None and len(row["ttft_max_ms_by_round"]) == 2
 

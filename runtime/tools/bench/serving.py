@@ -298,17 +298,23 @@ def warm_up(system: System, reqs: Sequence[Req], deadline: float) -> dict[str, A
     """Send ``reqs`` (prompts none of the measured requests share), all at once, and wait
     until the engines hold nothing: every engine's first batches, allocations and the
     P/D connections are made here instead of in the first measured round."""
+    seen = {j["id"] for j in _proxy_jobs(system)}
     t0 = time.perf_counter()
     outs = asyncio.run(run_load(reqs, system.submit, concurrency=len(reqs), rate=None,
                                 seed=0))
     wall = time.perf_counter() - t0
     drained, _leaked, held = drain(system, deadline)
     failed = [o for o in outs if not o.success]
-    return {"requests": len(outs), "failed": len(failed), "wall_s": round(wall, 3),
-            "ttft_max_ms": _ms(max((o.ttft for o in outs if o.ttft is not None),
-                                   default=None)),
-            "drained": drained, "held": held,
-            "errors": [o.error[:200] for o in failed][:3]}
+    out = {"requests": len(outs), "failed": len(failed), "wall_s": round(wall, 3),
+           "ttft_max_ms": _ms(max((o.ttft for o in outs if o.ttft is not None),
+                                  default=None)),
+           "drained": drained, "held": held,
+           "errors": [o.error[:200] for o in failed][:3]}
+    if system.proxy is not None:
+        # Where the first burst's time goes, the stall (b) if there is one.
+        out["breakdown"] = breakdown([j for j in _proxy_jobs(system) if j["id"] not in seen],
+                                     outs, {})
+    return out
 
 
 def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda _: None
@@ -511,6 +517,10 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
                            for o in t.outcomes],
                           stats.get("sfa", {}).get("decode", {}))
             for sc in scenarios}
+        # Per round too: a stalled round shows which phase it stalled in.
+        top["sfa_ttft_breakdown_by_round"] = {
+            sc: [breakdown(t.jobs, t.outcomes, {}) for t in turns
+                 if t.system == "sfa" and t.scenario == sc] for sc in scenarios}
     return {**top, "systems": names, "not_measured": skipped, "rows": rows,
             "ttft_samples": {sc: {n: [x for t, f in per_turn if t.scenario == sc
                                       and t.system == n for x in f["ttft_s"]]
