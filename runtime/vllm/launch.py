@@ -38,7 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -564,12 +564,15 @@ class Deployment:
         return "\n".join(parts)
 
     def wait_stats(self, name: str, key: str, at_least: float, deadline: float,
-                   interval: float = 0.25) -> dict[str, float]:
-        """Poll the log until the summed ``key`` reaches ``at_least`` (stats are logged once
-        per interval by the server, a separate process); return the stats either way."""
+                   interval: float = 0.25,
+                   also: Callable[[dict[str, float]], bool] | None = None) -> dict[str, float]:
+        """Poll the log until the summed ``key`` reaches ``at_least`` and ``also`` (if given)
+        holds of the sums (stats are logged once per interval by the server, a separate
+        process); return the stats either way."""
         while True:
             stats = self.stats(name)
-            if stats.get(key, 0.0) >= at_least or time.monotonic() >= deadline:
+            if (stats.get(key, 0.0) >= at_least and (also is None or also(stats))) \
+                    or time.monotonic() >= deadline:
                 return stats
             time.sleep(interval)  # polling another process's log: nothing to await
 

@@ -294,6 +294,12 @@ class BenchConfig:
 
 WARMUP_IDX = 10**6  # warm-up requests are numbered from here (never measured)
 
+def _every_rendezvous_ended(stats: dict[str, float]) -> bool:
+    """Decode's counters: every rendezvous it posted ended, its KV received or failed."""
+    ended = stats.get("requests_received", 0.0) + stats.get("requests_failed", 0.0)
+    return ended >= stats.get("rendezvous_posted", 0.0)
+
+
 def warm_up(system: System, reqs: Sequence[Req], deadline: float) -> dict[str, Any]:
     """Send ``reqs`` (prompts none of the measured requests share), all at once, and wait
     until the engines hold nothing: every engine's first batches, allocations and the
@@ -412,8 +418,12 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                       for o in t.outcomes if o.success and not o.cancelled)
             got += sum(len(r.prompts) for r in warm_reqs)
             with turn_of(systems["sfa"], cfg.pause):
+                # ... including the failures of requests cancelled while their KV was on
+                # its way, which come in the agreement round after the cancel: every posted
+                # rendezvous ends received or failed (R5)
                 systems["sfa"].deployment.wait_stats(
-                    "decode", "requests_received", got, min(deadline, time.monotonic() + 15))
+                    "decode", "requests_received", got, min(deadline, time.monotonic() + 15),
+                    also=_every_rendezvous_ended)
         stats = {name: {role: launch.connector_stats(s.log_text())
                         for role, s in sys_.servers.items()} for name, sys_ in systems.items()}
         binds = {name: s.binds for name, s in systems.items()}

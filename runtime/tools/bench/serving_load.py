@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("short", "aligned", "chunked", "list", "prefix")
+#: The client keeps an idle connection this long (below the servers' 5 s keep-alive).
+CLIENT_KEEPALIVE_S = 2.0
 
 
 # ---------------------------------------------------------------------------- workload
@@ -269,7 +271,10 @@ async def run_load(requests: Sequence[Req], submit: Callable[[Any, Req], Any], *
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=300)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # Idle connections are dropped before the servers drop theirs (uvicorn's keep-alive,
+    # 5 s in vLLM and the proxy): a request on a connection being closed gets a reset.
+    connector = aiohttp.TCPConnector(limit=0, force_close=False,
+                                     keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                      trust_env=False) as session:
         if rate is None:
