@@ -11,6 +11,8 @@ with the registry's reason, naming the engines that do work across hosts (issue 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from netns_support import MADE, hosts, lab_name, left_behind, require_namespaces  # noqa: F401
-from test_runtime_e2e import _terminal_states
+from test_runtime_e2e import _all_exit, _await_progress_bar, _group_pids, _terminal_states
 
 from sfa_rd2h.runtime.tools import cli
 from sfa_rd2h.runtime.tools import hosts as hosts_mod
@@ -363,3 +365,47 @@ def test_a_link_cut_needs_hosts_of_their_own() -> None:
     with pytest.raises(DemoConfigError, match="--cut-seconds must be > 0"):
         DemoConfig(engine="mooncake", hosts="netns", inject="link-cut",
                    cut_seconds=0.0).check()
+
+
+def test_a_sigterm_stops_the_demo_across_hosts_and_removes_its_lab() -> None:
+    """``kill PID`` (SIGTERM) of ``demo --hosts netns`` mid-run: the run stops as a Ctrl-C
+    stops it - every rank stopped, the lab's namespaces removed - and exits 143. Before,
+    SIGTERM ended the parent on the spot: its ranks ran on inside a lab left behind."""
+    pytest.importorskip("mooncake")
+    require_namespaces()
+    # many layers, little memory: still running when the signal comes (as the Ctrl-C test)
+    cmd = [*SFA, "demo", "--engine", "mooncake", "--hosts", "netns", "--p-tp", "2",
+           "--d-tp", "2", "--layers", "200", "--slots", "1", "--requests", "2",
+           "--timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    labs: set[str] = set()
+    left: list[str] = []
+    try:
+        seen = _await_progress_bar(proc)
+        members = _group_pids(proc.pid)
+        assert len(members) >= 6, members  # parent, fork server, four ranks
+        # the lab is the one its ranks run in
+        where = {subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True,
+                                text=True).stdout.strip() for pid in members}
+        labs.update(ns.split("-")[0] for ns in where if ns)
+        assert len(labs) == 1 and len(where - {""}) == 2, where  # Decode's and Prefill's
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # a failed check above: stop it as gently as it allows
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        left = left_behind(sorted(labs))
+        for name in labs:  # what a failing run left goes now, judged below
+            hosts_mod.Lab(name, {}, hosts_mod.DEFAULT_SUBNET).down()
+    text = (seen + err).decode(errors="replace")
+    assert proc.returncode == 128 + signal.SIGTERM, text[-2000:]
+    assert "interrupted: stopped 4 rank process(es); nothing left in /dev/shm" in text, \
+        text[-2000:]
+    assert _all_exit(members - {proc.pid}, within=20.0)  # fork server and ranks alike
+    assert left == [], left

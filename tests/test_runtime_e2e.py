@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import selectors
 import socket
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -341,6 +343,21 @@ def test_a_send_to_a_killed_rank_drops_it_and_reaches_the_others() -> None:
     assert [live_r.recv() for _ in range(3)] == [("step", [0]), ("step", [1]), ("end",)]
 
 
+def _await_progress_bar(proc: subprocess.Popen, within: float = 60.0) -> bytes:
+    """What a ``demo`` subprocess wrote to stderr up to its progress bar: every rank is up."""
+    assert proc.stderr is not None
+    seen = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        deadline = time.monotonic() + within
+        while b"requests" not in seen:
+            assert sel.select(max(0.0, deadline - time.monotonic())), seen
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, f"demo exited early ({proc.wait(30)}): {seen!r}"
+            seen += chunk
+    return seen
+
+
 def _group_pids(pgid: int) -> set[int]:
     """Every process of a process group (what a terminal's Ctrl-C reaches)."""
     pids = set()
@@ -360,7 +377,6 @@ def _group_pids(pgid: int) -> set[int]:
 def test_ctrl_c_stops_the_demo_with_one_line_and_leaves_nothing(tmp_path: Path) -> None:
     """SIGINT to the whole process group, as a terminal sends it, pressed four times while
     the run moves KV and shuts down: one line, exit 130, no rank left, no /dev/shm file."""
-    import selectors
     import signal
     import subprocess
     import sys
@@ -373,16 +389,7 @@ def test_ctrl_c_stops_the_demo_with_one_line_and_leaves_nothing(tmp_path: Path) 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
-        assert proc.stderr is not None
-        seen = b""
-        with selectors.DefaultSelector() as sel:  # await the progress bar: every rank is up
-            sel.register(proc.stderr, selectors.EVENT_READ)
-            deadline = time.monotonic() + 60
-            while b"requests" not in seen:
-                assert sel.select(max(0.0, deadline - time.monotonic())), seen
-                chunk = os.read(proc.stderr.fileno(), 4096)
-                assert chunk, f"demo exited early: {seen!r}"
-                seen += chunk
+        seen = _await_progress_bar(proc)
         members = _group_pids(proc.pid)
         assert len(members) >= 5, members  # parent, fork server, four ranks
         for _ in range(4):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
@@ -107,7 +108,8 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Exit 0: outcome as predicted, every byte verified, traces valid; 1: otherwise;
-    2: invalid configuration (the message names the rule); 130: interrupted (Ctrl-C)."""
+    2: invalid configuration (the message names the rule); 130: interrupted (Ctrl-C),
+    143: stopped by SIGTERM (either way every rank stopped and everything removed)."""
     try:
         result = run_demo(config_from_args(args))
     except DemoConfigError as exc:
@@ -134,6 +136,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         start = "\r\x1b[K" if sys.stderr.isatty() else "\r"
         print(f"{start}interrupted: stopped {len(result.exit_codes)} rank process(es); {where}",
               file=sys.stderr)
-        return 130
+        return 128 + (result.stop_signal or signal.SIGINT)
     return 0 if result.ok else 1
 

@@ -75,7 +75,8 @@ class DemoResult:
     startup_seconds: float = 0.0  # spawning the processes until every one is ready
     wall_seconds: float = 0.0  # the whole run, start-up, verification and shutdown included
     pids: dict[str, int] = field(default_factory=dict)  # parent and every rank: their shm names
-    interrupted: bool = False  # stopped by Ctrl-C (SIGINT); everything was still cleaned up
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT) or SIGTERM; still cleaned up
+    stop_signal: int = 0  # the signal that stopped it (interrupted), else 0
     swept: list[str] = field(default_factory=list)  # dead runs' /dev/shm files removed at start
     # request -> rank -> "ok" or "failed: why" (Decode: its decision; Prefill: its gates, S4;
     # a crashed rank: "lost")
@@ -239,61 +240,73 @@ def _mp_context(cfg: DemoConfig) -> Any:
     return mp.get_context("spawn")
 
 
+#: The signals that stop a run cleanly: Ctrl-C, and what ``kill``, ``timeout`` or a service
+#: manager sends. Without a handler SIGTERM would end the parent on the spot, leaving its
+#: ranks running and (``--hosts netns``) its lab of namespaces behind.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _CtrlC:
-    """SIGINT during a run. The first press stops the run where the parent is (a
-    ``KeyboardInterrupt``); presses after that, and any press once cleanup has begun, are
-    only counted, so the cleanup - children stopped, /dev/shm files removed - always runs
-    to the end, however often Ctrl-C is pressed."""
+    """SIGINT or SIGTERM during a run. The first one stops the run where the parent is (a
+    ``KeyboardInterrupt``); any after that, and any once cleanup has begun, are only
+    counted, so the cleanup - children stopped, /dev/shm files removed, the lab removed -
+    always runs to the end, however often Ctrl-C is pressed. Nested uses share one
+    installation (the outermost installs and restores)."""
 
     def __init__(self) -> None:
         self.presses = 0
+        self.signum = 0  # the first signal received
         self.armed = True
-        self._previous: Any = None
-        self._installed = False
+        self._previous: dict[int, Any] = {}
+        self._depth = 0
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.presses += 1
+        if self.presses == 1:
+            self.signum = signum
         if self.armed and self.presses == 1:
             raise KeyboardInterrupt
 
     def __enter__(self) -> _CtrlC:
+        self._depth += 1
         # Signal handlers belong to the main thread; elsewhere (a test's worker thread) the
         # caller's own handling stays as it is.
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self)
-            self._installed = True
+        if self._depth == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self) for s in _STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._installed:
+        self._depth -= 1
+        if self._depth or not self._previous:
             return
-        if self.presses:
-            # Interrupted: the process is about to exit 130. Python's own handler would turn
-            # a late press into a second KeyboardInterrupt, and at interpreter shutdown the
-            # default action would kill the process (exit -2); an ignored SIGINT stays
-            # ignored through shutdown.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        else:
-            signal.signal(signal.SIGINT, self._previous)
+        for s, previous in self._previous.items():
+            # Interrupted: the process is about to exit 128 + signal. Python's own handler
+            # would turn a late press into a second KeyboardInterrupt, and at interpreter
+            # shutdown the default action would kill the process (exit -2); an ignored
+            # signal stays ignored through shutdown.
+            signal.signal(s, signal.SIG_IGN if self.presses else previous)
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the whole deployment; raises ``DemoConfigError`` for an invalid configuration.
 
-    A Ctrl-C (SIGINT) stops the run cleanly: the result then says ``interrupted``, every
-    child is stopped and every /dev/shm file of the run is removed before this returns."""
+    A Ctrl-C (SIGINT) or a SIGTERM stops the run cleanly: the result then says
+    ``interrupted`` (and ``stop_signal``), every child is stopped, every /dev/shm file of the run
+    and (``--hosts netns``) its lab are removed before this returns."""
     cfg.check()
+    ctrl_c = _CtrlC()
     if cfg.hosts != "netns":
-        return _run_demo(cfg, {}, {}, None)
+        return _run_demo(cfg, {}, {}, None, ctrl_c)
     from sfa_rd2h.runtime.tools.hosts import Lab
 
     # One host each for the proxy (the metaserver), the Decode ranks and the Prefill ranks;
-    # removed with whatever still runs there however the run ends.
-    with Lab.up(HOST_ROLES, "d" + secrets.token_hex(3)) as lab:
+    # removed with whatever still runs there however the run ends - a stop signal included,
+    # which the handler turns into an unwinding exception for as long as the lab exists.
+    with ctrl_c, Lab.up(HOST_ROLES, "d" + secrets.token_hex(3)) as lab:
         link_cut = _LinkCut(lab, "prefill", cfg.cut_length) if cfg.inject == "link-cut" \
             else None
         result = _run_demo(cfg, {r: lab[r].address for r in HOST_ROLES},
-                           {r: lab[r].netns for r in HOST_ROLES}, link_cut)
+                           {r: lab[r].netns for r in HOST_ROLES}, link_cut, ctrl_c)
     result.topology["lab"] = lab.name  # gone now: its namespaces were "<lab>-<host>"
     return result
 
@@ -335,7 +348,7 @@ class _LinkCut:
 
 
 def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
-              link_cut: _LinkCut | None) -> DemoResult:
+              link_cut: _LinkCut | None, ctrl_c: _CtrlC) -> DemoResult:
     from sfa_rd2h.runtime.metaserver import ProxyServer
     from sfa_rd2h.runtime.tools.hosts import in_netns
     from sfa_rd2h.statemachines.trace import validate
@@ -385,7 +398,6 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
     tmp = tempfile.mkdtemp(prefix="sfa-rd2h-demo-")
     log_dir = None if cfg.verbose else os.path.join(tmp, "logs")
     trace_dir = cfg.trace_dir or os.path.join(tmp, "traces")
-    ctrl_c = _CtrlC()
     with ctrl_c:
         try:
             os.makedirs(trace_dir, exist_ok=True)
@@ -572,7 +584,8 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
             if plan is not None and proxy is not None:
                 problems += _stuck(procs, finished, plan, proxy)
         except KeyboardInterrupt:
-            problems.append("interrupted (Ctrl-C)")
+            problems.append("interrupted (Ctrl-C)" if ctrl_c.signum != signal.SIGTERM
+                            else "interrupted (SIGTERM)")
         finally:
             ctrl_c.armed = False  # from here on a Ctrl-C cannot cut the cleanup short
             stop_by = min(stop_by, time.monotonic() + SHUTDOWN_S)
@@ -611,6 +624,7 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
         result.wall_seconds = round(time.monotonic() - t_start, 3)
         result.pids = pids
         result.interrupted = interrupted
+        result.stop_signal = int(ctrl_c.signum) if interrupted else 0
         result.swept = swept
         if not result.ok and log_dir is not None:
             result.problems += _log_tails(log_dir, procs)
