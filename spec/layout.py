@@ -408,12 +408,31 @@ def _runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndar
     Within a tensor, block ``k+1``'s descriptor continues block ``k``'s on both sides exactly
     when both ids step by one (every block of a tensor has the same length), so runs found
     once on the ids hold for each of the group's tensors."""
-    steps = (src_ids[1:] == src_ids[:-1] + 1) & (dst_ids[1:] == dst_ids[:-1] + 1)
-    if not steps.any():
-        return src_ids, dst_ids, np.ones(src_ids.size, dtype=np.uint64)
-    heads = np.flatnonzero(np.concatenate(([True], ~steps)))
-    runs = np.diff(np.append(heads, src_ids.size)).astype(np.uint64)
+    n = src_ids.size
+    # written into one full-length mask, so no head has to be prepended by a copy
+    starts = np.empty(n, dtype=bool)
+    starts[0] = True
+    np.not_equal(src_ids[1:], src_ids[:-1] + 1, out=starts[1:])
+    starts[1:] |= dst_ids[1:] != dst_ids[:-1] + 1
+    heads = np.flatnonzero(starts)
+    if heads.size == n:
+        return src_ids, dst_ids, np.ones(n, dtype=np.uint64)
+    runs = np.empty(heads.size, dtype=np.uint64)
+    runs[:-1] = heads[1:] - heads[:-1]
+    runs[-1] = n - heads[-1]
     return src_ids[heads], dst_ids[heads], runs
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_consts(s: _SrcTensors, dst: DestLayout,
+                  tensors: range) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block bytes, destination and source bases of a group's tensors as uint64 columns,
+    so one broadcast builds every tensor's descriptors of the group at once."""
+    def column(values: Iterable[int]) -> np.ndarray:
+        return np.array(list(values), dtype=np.uint64).reshape(-1, 1)
+    return (column(s.ext_block_bytes[t] for t in tensors),
+            column(dst.base_addrs[t] for t in tensors),
+            column(s.base_addrs[t] for t in tensors))
 
 
 def _coalesced_plan(s: _SrcTensors, dst: DestLayout,
@@ -427,18 +446,18 @@ def _coalesced_plan(s: _SrcTensors, dst: DestLayout,
     bounds = []  # where one tensor's descriptors end and the next one's start
     at = 0
     for tensors, sid, did, count in runs:
-        src_u, dst_u = sid.astype(np.uint64), did.astype(np.uint64)
-        for t in tensors:
-            end = at + count.size
-            nbytes = np.uint64(s.ext_block_bytes[t])
-            np.multiply(dst_u, nbytes, out=local[at:end])
-            local[at:end] += np.uint64(dst.base_addrs[t])
-            np.multiply(src_u, nbytes, out=peer[at:end])
-            peer[at:end] += np.uint64(s.base_addrs[t])
-            np.multiply(count, nbytes, out=lengths[at:end])
-            if at:
-                bounds.append(at)
-            at = end
+        k, end = count.size, at + len(tensors) * count.size
+        nbytes, dst_base, src_base = _group_consts(s, dst, tensors)
+        # one row per tensor of the group: (ids x its block bytes) + its base
+        loc = local[at:end].reshape(-1, k)
+        np.multiply(did.astype(np.uint64), nbytes, out=loc)
+        loc += dst_base
+        src = peer[at:end].reshape(-1, k)
+        np.multiply(sid.astype(np.uint64), nbytes, out=src)
+        src += src_base
+        np.multiply(count, nbytes, out=lengths[at:end].reshape(-1, k))
+        bounds += range(at or k, end, k)
+        at = end
     # Across tensors (and groups) a descriptor may still continue the one before it, when
     # the regions happen to abut: checked at each boundary, merged like coalesced() merges.
     merged = [b for b in bounds

@@ -404,22 +404,23 @@ class DecodeCore:
         cuts = self._cuts(n_main, n_idx, main_start, idx_start, member, ratio)
         # L1, in the order a reader expects the first error: per entry, the whole main
         # range (member 0 reads main, so all of it must fit before any piece is read),
-        # this rank's piece of it, then the same two for the indexer.
+        # this rank's piece of it, then the same two for the indexer. One row per check,
+        # so the four are tested in a handful of array operations.
         has_idx = n_idx > 0
-        checks = (
-            ("main", main_start, n_main, main_size, np.full(n, member == 0)),
-            ("main", main_start + cuts.main_lo, cuts.main_hi - cuts.main_lo, main_size,
-             np.ones(n, bool)),
-            ("indexer", idx_start, n_idx, idx_size, has_idx),
-            ("indexer", idx_start + cuts.indexer_lo, cuts.indexer_hi - cuts.indexer_lo,
-             idx_size, has_idx),
-        )
-        bad = np.stack([on & ((start < 0) | (start + count > size))
-                        for _, start, count, size, on in checks])
+        starts = np.stack((main_start, main_start + cuts.main_lo,
+                           idx_start, idx_start + cuts.indexer_lo))
+        ends = np.stack((main_start + n_main, main_start + cuts.main_hi,
+                         idx_start + n_idx, idx_start + cuts.indexer_hi))
+        bad = (starts < 0) | (ends > np.stack((main_size, main_size, idx_size, idx_size)))
+        if member != 0:
+            bad[0] = False
+        bad[2:] &= has_idx
         if bad.any():
             entry = int(np.flatnonzero(bad.any(axis=0))[0])
-            what, start, count, size, _ = checks[int(np.flatnonzero(bad[:, entry])[0])]
-            lo, hi = int(start[entry]), int(start[entry] + count[entry])
+            check = int(np.flatnonzero(bad[:, entry])[0])
+            what = "main" if check < 2 else "indexer"
+            lo, hi = int(starts[check, entry]), int(ends[check, entry])
+            size = main_size if check < 2 else idx_size
             raise ProtocolError(f"L1: {what} destination range [{lo}, {hi}) outside the "
                                 f"{int(size[entry])} registered blocks")
         main_src, main_dst = _gather([e.p_main_block_ids for e in live], n_main,
