@@ -423,6 +423,12 @@ class PrefillWorker(_Worker):
             self._check_alive()
             self._tasks.append((layer_idx, event))
         self._wake.ring()
+        if event is None:
+            # The write has landed (CPU). vLLM's CPU worker pins all its threads, the sender
+            # too, to the worker's cores: on one core the woken sender otherwise waits for
+            # the compute thread's time slice before the READY leaves. One yield hands it
+            # the core now (layer_written to landed, p90 3.1 ms -> 0.1 ms on a shared core).
+            os.sched_yield()
 
     def drain(self, timeout: float) -> list[str]:
         """Wait until every queued layer is published and every slot answered, then observe
