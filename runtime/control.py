@@ -946,10 +946,19 @@ class DecodeWorker(_Worker):
         lanes_done = self._lanes.close(timeout)
         if self._auth is not None:
             self._auth.stop()
-        super().close(max(0.1, deadline - time.monotonic()))
-        if not lanes_done:
-            raise ControlPlaneError(f"decode {self.core.d_rank}: a transfer-engine read did "
-                                    f"not finish within {timeout}s")
+        read_stuck = None if lanes_done else (
+            f"decode {self.core.d_rank}: a transfer-engine read did not finish within "
+            f"{timeout}s")
+        try:
+            super().close(max(0.1, deadline - time.monotonic()))
+        except ControlPlaneError as exc:
+            # A read that never returns is the cause to name first; under load the reader
+            # thread can be late as well, and its error alone would hide the read.
+            if read_stuck is None:
+                raise
+            raise ControlPlaneError(f"{read_stuck}; also: {exc}") from None
+        if read_stuck is not None:
+            raise ControlPlaneError(read_stuck)
 
     def _send(self, a: Send) -> None:
         if self._tracer is not None:
