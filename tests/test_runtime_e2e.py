@@ -91,7 +91,8 @@ def run(tmp_path: Path, **kw: object) -> tuple[DemoResult, DemoConfig, dict]:
     assert time.monotonic() - t0 < cfg.timeout
     # clean shutdown
     assert len(result.exit_codes) == cfg.p_tp + cfg.d_tp
-    assert all(code == 0 for code in result.exit_codes.values()), result.exit_codes
+    assert all(code == 0 for code in result.exit_codes.values()), \
+        f"{result.exit_codes}\n{result.summary()}"
     for port in result.ports:
         _assert_port_free(port)
     _assert_port_free(int(result.proxy_url.rsplit(":", 1)[1]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -144,6 +145,9 @@ def run_child(fn: Any, name: str, plan: Plan, rank: int, conn: Connection, *args
     if plan.log_dir is not None:
         _log_to_file(plan.log_dir, name)
     child_logging(name)
+    # A rank that does not end after "stop" is asked where it is: every thread's stack goes
+    # to its log (the file set up above), which a failed run shows.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     chan = Channel(conn)
     try:
         fn(plan, rank, chan, *args)

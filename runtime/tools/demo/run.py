@@ -395,6 +395,7 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
     proxy: Any = None
     plan: Plan | None = None
     pool_path = ""
+    stacks_asked = False  # a rank did not end after "stop" and was asked for its stacks
     tmp = tempfile.mkdtemp(prefix="sfa-rd2h-demo-")
     log_dir = None if cfg.verbose else os.path.join(tmp, "logs")
     trace_dir = cfg.trace_dir or os.path.join(tmp, "traces")
@@ -573,7 +574,12 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
             stop_by = time.monotonic() + SHUTDOWN_S
             for p in procs:
                 p.proc.join(max(0.0, stop_by - time.monotonic()))
-                if p.proc.exitcode != 0 and not p.doomed:
+                if p.proc.exitcode is None and p.proc.pid is not None:
+                    os.kill(p.proc.pid, signal.SIGUSR1)  # its stacks, into its log
+                    stacks_asked = True
+                    problems.append(f"{p.name} did not end within {SHUTDOWN_S:g}s of the "
+                                    "parent's stop (its threads' stacks are in its log)")
+                elif p.proc.exitcode != 0 and not p.doomed:
                     problems.append(f"{p.name} exited with code {p.proc.exitcode}")
                 drain(p)  # its last word: the threads left after its cleanup
                 if p.threads_left:
@@ -627,7 +633,7 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
         result.stop_signal = int(ctrl_c.signum) if interrupted else 0
         result.swept = swept
         if not result.ok and log_dir is not None:
-            result.problems += _log_tails(log_dir, procs)
+            result.problems += _log_tails(log_dir, procs, 80 if stacks_asked else 5)
         if cfg.trace_dir is None:
             shutil.rmtree(trace_dir, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
