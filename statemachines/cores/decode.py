@@ -655,14 +655,12 @@ def _gather(id_lists: list[np.ndarray], counts: np.ndarray, dests: list[np.ndarr
     all entries joined into one array, and the destination blocks they land in:
     ``dests[i]`` (``dest_sizes[i]`` of them) from ``dest_start[i] + lo[i]`` on. The ranges
     were checked against ``dests`` (L1)."""
-    if not lo.any() and np.array_equal(hi, counts):  # every piece is its whole list
-        src = np.concatenate(id_lists)
-        if not dest_start.any() and np.array_equal(counts, dest_sizes):
-            return src, np.concatenate(dests)  # ... and fills its whole destination
-    else:
-        src = np.concatenate([ids[a:b] for ids, a, b
-                              in zip(id_lists, lo.tolist(), hi.tolist(), strict=True)])
+    whole = not lo.any() and np.array_equal(hi, counts)  # every piece is its whole list
+    if whole and not dest_start.any() and np.array_equal(counts, dest_sizes):
+        return np.concatenate(id_lists), np.concatenate(dests)  # ... and fills its dest
     los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
+    src = np.concatenate(id_lists) if whole else np.concatenate(
+        [ids[a:b] for ids, a, b in zip(id_lists, los, his, strict=True)])
     dst = np.concatenate([d[at:at + b - a] for d, at, a, b
                           in zip(dests, ats, los, his, strict=True)])
     return src, dst
