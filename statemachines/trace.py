@@ -22,7 +22,8 @@ checks the cross-process rules a single core cannot see:
   in - READ_DONE after ``done``, READ_FAILED after ``failed`` - so a trace whose machine
   state and wire contradict each other is a divergence, whichever of the two is wrong.
 
-Record kinds (``k``): ``process`` (header), ``info``, ``tr`` (transition), ``msg``,
+Record kinds (``k``): ``process`` (header; ``t0`` is the process's origin on the host-wide
+monotonic clock, record times ``t`` are seconds after it), ``info``, ``tr`` (transition), ``msg``,
 ``conn`` and ``close`` (written by :meth:`Tracer.close`; its absence means the process did
 not shut down cleanly, and end-of-run completeness checks are then skipped for that file).
 """
@@ -144,7 +145,10 @@ class Tracer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
         self._t0 = time.monotonic()
-        self._write({"k": "process", "name": process_name, "pid": os.getpid(), **info})
+        # t0: this process's origin on the host-wide monotonic clock, so the files of one
+        # run (and a proxy's job timings, which use the same clock) line up on one axis.
+        self._write({"k": "process", "name": process_name, "pid": os.getpid(),
+                     "t0": round(self._t0, 6), **info})
 
     def _t(self) -> float:
         return round(time.monotonic() - self._t0, 6)

@@ -141,8 +141,11 @@ def test_the_tracer_writes_each_record_kind_with_its_fields(tmp_path: Path) -> N
     t.info(endpoint="d0:7000")
     t.close()
     head, tr, conn, info, close = (json.loads(line) for line in path.read_text().splitlines())
+    t0 = head.pop("t0")
     assert head == {"k": "process", "name": "p", "pid": os.getpid(), "role": "prefill",
                     "rank": 3}
+    # the origin is on the host-wide monotonic clock: other processes' times align with it
+    assert t0 <= time.monotonic() and t0 + tr["t"] <= time.monotonic()
     assert tr["a"] == [None, True, 7, 2.5, "x" * 160, ["a", "b"], ["c"], str(object)]
     assert set(tr) == {"k", "t", "m", "key", "ev", "src", "dst", "a"}
     assert set(conn) == {"k", "t", "ev", "peer", "conn"}

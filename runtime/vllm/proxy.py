@@ -179,9 +179,11 @@ class _Job:
         def ms(key: str) -> float | None:
             return None if key not in self.times else round((self.times[key] - t0) * 1e3, 2)
 
-        return {"id": f"cmpl-{self.xrid}", "prompts": len(self.prompts),
+        # t0 on the host-wide monotonic clock, as in the connector's traces (their "t0")
+        return {"id": f"cmpl-{self.xrid}", "t0": round(t0, 6), "prompts": len(self.prompts),
                 "decode": self.decode, "prefill": self.prefill, "outcome": self.outcome,
-                "rendezvous_ms": ms("rendezvous"), "prefill_done_ms": ms("prefill_done"),
+                "rendezvous_ms": ms("rendezvous"), "prefill_sent_ms": ms("prefill_sent"),
+                "prefill_done_ms": ms("prefill_done"),
                 "decode_headers_ms": ms("decode_headers"), "done_ms": ms("done"),
                 "prefill_status": self.prefill_status}
 
@@ -659,6 +661,7 @@ class DisaggProxy:
                 job.fail(504, f"prefill {job.prefill}: deadline passed", "GatewayTimeout")
                 return
             job.prefill_status = f"attempt {attempt + 1} sent"
+            job.times.setdefault("prefill_sent", loop.time())
             try:
                 resp = await self._client.post(url, json=body, timeout=remaining,
                                                headers={"X-Request-Id": job.xrid})
