@@ -77,6 +77,21 @@ def test_arguments_become_the_config() -> None:
     cfg = serving._config(_args(rate=2.5))
     assert isinstance(cfg, serving.BenchConfig)
     assert (cfg.systems, cfg.sweep, cfg.rate, cfg.rounds) == (("single", "sfa"), (1, 4), 2.5, 2)
+    assert (cfg.model, cfg.trace_dir) == ("tiny", None)
+    cfg = serving._config(_args(model="small", trace_dir="/tmp/t"))
+    assert isinstance(cfg, serving.BenchConfig)
+    assert (cfg.model, cfg.trace_dir) == ("small", "/tmp/t")
+
+
+def test_model_sizes_are_the_launchers() -> None:
+    from sfa_rd2h.runtime.vllm import launch
+
+    # the parser's choices, kept without importing the launcher, name its models exactly
+    assert set(serving.MODEL_SIZES) == set(launch.MODELS)
+    tiny, small = launch.MODELS["tiny"], launch.MODELS["small"]
+    assert tiny is launch.TINY_LLAMA and small["vocab_size"] == tiny["vocab_size"]
+    assert small["num_hidden_layers"] * small["hidden_size"] > \
+        tiny["num_hidden_layers"] * tiny["hidden_size"]
 
 
 def test_itl_is_per_request_not_per_socket_read() -> None:
@@ -91,6 +106,35 @@ def test_itl_is_per_request_not_per_socket_read() -> None:
     assert serving_load.per_token_itl(one) is None  # one token: no gap
     unstreamed = serving_load.Outcome(0, tokens=[[1] * 4], latency=0.2)
     assert serving_load.per_token_itl(unstreamed) is None
+
+
+def test_engine_histograms_are_read_as_prometheus_quantiles() -> None:
+    q = serving_systems.histogram_quantile
+    cum = {0.001: 0.0, 0.002: 10.0, 0.004: 30.0, float("inf"): 40.0}
+    assert q(cum, 0.5) == pytest.approx(0.003)  # 20th of 40: halfway through (2, 4] ms
+    assert q(cum, 0.25) == pytest.approx(0.002)
+    assert q(cum, 0.99) == pytest.approx(0.004)  # in +Inf: the last finite bound
+    assert q({}, 0.5) is None and q({0.001: 0.0, float("inf"): 0.0}, 0.5) is None
+    # a turn's share is the difference of two scrapes
+    assert serving_systems.histogram_delta({0.001: 5.0, 0.002: 9.0}, {0.001: 2.0}) == {
+        0.001: 3.0, 0.002: 9.0}
+    bounds = serving_systems.LATENCY_BUCKETS
+    assert list(bounds) == sorted(set(bounds)) and bounds[0] <= 2e-4 and bounds[-1] >= 50
+    assert max(b / a for a, b in zip(bounds, bounds[1:])) < 1.11  # quantiles within ~5%
+    flag, value = serving_systems.histogram_args()
+    assert flag == "--custom-histogram-buckets" and '"inter_token_latency"' in value
+
+
+def test_histograms_are_summed_over_labels_by_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "vllm:inter_token_latency_seconds"
+    text = {f'{name}_bucket{{engine="0",le="0.001",model_name="m"}}': 2.0,
+            f'{name}_bucket{{engine="1",le="0.001",model_name="m"}}': 3.0,
+            f'{name}_bucket{{engine="0",le="+Inf",model_name="m"}}': 7.0,
+            f'{name}_count{{engine="0",model_name="m"}}': 7.0,
+            'vllm:time_to_first_token_seconds_bucket{le="0.5"}': 1.0}
+    monkeypatch.setattr(serving_systems, "labeled_metrics", lambda url: text)
+    got = serving_systems.histograms("http://x")
+    assert got == {"itl": {0.001: 5.0, float("inf"): 7.0}, "ttft": {0.5: 1.0}}
 
 
 def test_a_round_far_above_the_others_is_a_stall() -> None:
@@ -246,6 +290,9 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
     assert len(report["sfa_ttft_breakdown_by_round"]["c8"]) == 2
     for row in rows.values():
         assert row["itl_p50_ms"] is not None and len(row["ttft_max_ms_by_round"]) == 2
+        # the engines' own figures, from the buckets every engine was started with
+        assert row["itl_engine_p50_ms"] is not None and row["ttft_engine_p50_ms"] is not None
+    assert report["itl_p50_source"] == "engine"
 
 
 @pytest.mark.e2e

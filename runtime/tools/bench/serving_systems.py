@@ -56,6 +56,63 @@ def source_tokens(url: str) -> dict[str, float]:
     return out
 
 
+# vLLM's default latency buckets are too coarse for a tiny model on CPU (its first
+# inter-token bound is 10 ms, where every token of this bench falls): every engine of every
+# system is started with the same geometric buckets, 0.2 ms to 60 s in steps of 10%, so a
+# quantile read from them is within about 5% (``--custom-histogram-buckets``, vLLM 0.32).
+LATENCY_BUCKETS = tuple(float(f"{2e-4 * 1.1 ** i:.4g}") for i in range(133))
+ENGINE_HISTOGRAMS = {"itl": "vllm:inter_token_latency_seconds",
+                     "ttft": "vllm:time_to_first_token_seconds"}
+
+
+def histogram_args() -> tuple[str, ...]:
+    """The ``vllm serve`` flag that gives the latency histograms ``LATENCY_BUCKETS``."""
+    import json
+
+    buckets = list(LATENCY_BUCKETS)
+    return ("--custom-histogram-buckets",
+            json.dumps({"inter_token_latency": buckets, "time_to_first_token": buckets}))
+
+
+_LE = re.compile(r'le="([^"]+)"')
+
+
+def histograms(url: str) -> dict[str, dict[float, float]]:
+    """Each of ``ENGINE_HISTOGRAMS`` as its cumulative bucket counts (upper bound -> count,
+    summed over the other labels)."""
+    out: dict[str, dict[float, float]] = {k: {} for k in ENGINE_HISTOGRAMS}
+    for key, value in labeled_metrics(url).items():
+        for short, name in ENGINE_HISTOGRAMS.items():
+            if key.startswith(name + "_bucket{") and (m := _LE.search(key)):
+                le = float(m.group(1))  # "+Inf" reads as inf
+                out[short][le] = out[short].get(le, 0.0) + value
+    return out
+
+
+def histogram_delta(after: dict[float, float], before: dict[float, float]
+                    ) -> dict[float, float]:
+    return {le: n - before.get(le, 0.0) for le, n in after.items()}
+
+
+def histogram_quantile(cumulative: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile of cumulative bucket counts, interpolated linearly inside the
+    bucket it falls in (Prometheus' ``histogram_quantile``); None without observations."""
+    bounds = sorted(cumulative)
+    if not bounds or cumulative[bounds[-1]] <= 0:
+        return None
+    rank = q * cumulative[bounds[-1]]
+    lo_bound, lo_count = 0.0, 0.0
+    for le in bounds:
+        count = cumulative[le]
+        if count >= rank:
+            if le == float("inf"):
+                return lo_bound  # above the last finite bound: that bound is all we know
+            share = (rank - lo_count) / (count - lo_count) if count > lo_count else 1.0
+            return lo_bound + (le - lo_bound) * share
+        lo_bound, lo_count = le, count
+    return None
+
+
 def num_blocks(url: str) -> int:
     for key in labeled_metrics(url):
         if key.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="' in key:
@@ -184,7 +241,8 @@ def system_binds(names: Sequence[str], per_system: bool) -> dict[str, list[str]]
 
 
 def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
-                  say: Callable[[str], None], pause: bool = True, bind_all: bool = False
+                  say: Callable[[str], None], pause: bool = True, bind_all: bool = False,
+                  trace_dir: str | None = None
                   ) -> tuple[dict[str, System], dict[str, str]]:
     """Start every engine of every system (``system_binds``) and wait until all are
     healthy; with ``pause``, each system is stopped (SIGSTOP) as soon as it is healthy and
@@ -232,8 +290,10 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
                                           cpu_bind=binds["single"][0], env=env)
             systems["single"] = System("single", {"single": server}, binds=binds["single"])
         if "sfa" in names:
+            traced = {"trace_dir": str(trace_dir)} if trace_dir else {}
             dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
-                                    binds=list(binds["sfa"]))
+                                    binds=list(binds["sfa"]), prefill_extra=traced,
+                                    decode_extra=traced)
             systems["sfa"] = System("sfa", {}, deployment=dep, binds=binds["sfa"])
             dep.start(deadline)
             systems["sfa"].servers = {"prefill": dep.prefill, "decode": dep.decode}
