@@ -15,6 +15,7 @@ The workload generator is checked on its own first (no engine needed).
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,7 @@ def test_engine_histograms_are_read_as_prometheus_quantiles() -> None:
         0.001: 3.0, 0.002: 9.0}
     bounds = serving_systems.LATENCY_BUCKETS
     assert list(bounds) == sorted(set(bounds)) and bounds[0] <= 2e-4 and bounds[-1] >= 50
-    assert max(b / a for a, b in zip(bounds, bounds[1:])) < 1.11  # quantiles within ~5%
+    assert max(b / a for a, b in itertools.pairwise(bounds)) < 1.11  # quantiles within ~5%
     flag, value = serving_systems.histogram_args()
     assert flag == "--custom-histogram-buckets" and '"inter_token_latency"' in value
 
@@ -135,6 +136,27 @@ def test_histograms_are_summed_over_labels_by_bound(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(serving_systems, "labeled_metrics", lambda url: text)
     got = serving_systems.histograms("http://x")
     assert got == {"itl": {0.001: 5.0, float("inf"): 7.0}, "ttft": {0.5: 1.0}}
+
+
+def test_a_whole_engine_runs_on_its_bind_cores(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    from sfa_rd2h.runtime.vllm import launch
+
+    assert launch.bind_cores("0") == {0} and launch.bind_cores("0-2,5") == {0, 1, 2, 5}
+    assert launch.bind_cores(launch.NO_BIND) is None and launch.bind_cores(None) is None
+    core = min(os.sched_getaffinity(0))
+    # A real child and a grandchild it starts: both report the one core they may use.
+    code = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), flush=True); "
+            "subprocess.run([sys.executable, '-c', "
+            "'import os; print(sorted(os.sched_getaffinity(0)))'], check=True)")
+    server = launch.EngineServer(name="probe", port=0, cmd=[sys.executable, "-c", code],
+                                 env=dict(os.environ), log_path=tmp_path / "probe.log",
+                                 affinity=frozenset({core})).start()
+    assert server.proc is not None and server.proc.wait(60) == 0
+    server.stop()
+    assert server.log_path.read_text().split() == [f"[{core}]", f"[{core}]"]
 
 
 def test_a_round_far_above_the_others_is_a_stall() -> None:
@@ -283,7 +305,7 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
     assert report["equal"] and report["requests"] == 80 and report["failed"] == 0
     # Each system ran alone: warmed up, then stopped outside its turns.
     assert report["paused_outside_turns"]
-    assert set(report["binding"]) == {"single", "sfa"}
+    assert set(report["binding"]) == {"single", "sfa"} and report["whole_engines_pinned"]
     for name, warm in report["warmup"].items():
         assert warm["failed"] == 0 and warm["drained"], (name, warm)
     assert report["warmup"]["sfa"]["breakdown"]["jobs"] == 16  # the first burst's phases

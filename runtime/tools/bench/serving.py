@@ -458,6 +458,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     rep = build_report(cfg, reqs, by_idx, reference, turns, skipped, stats, startup_s,
                        time.monotonic() - t0, shape.block_size)
     rep["binding"] = binds
+    rep["whole_engines_pinned"] = cfg.pause and not cfg.bind_all
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups
     return rep
