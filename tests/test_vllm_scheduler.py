@@ -481,6 +481,39 @@ def test_decode_agrees_only_while_a_request_awaits_its_outcome(pair, metaserver)
     assert p.half.wait_for_sends(WAIT) == []
 
 
+def test_an_idle_decode_step_waits_a_moment_for_its_reads(pair, metaserver, monkeypatch):
+    """A step in which vLLM scheduled no token while a request waits for its KV is marked
+    idle (the same metadata on every rank), and the worker then waits up to IDLE_WAIT_S for
+    a read to end before its agreement round: vLLM would otherwise run the next empty step
+    at once, spinning through the CPU the reader needs. A step with tokens to compute
+    never waits."""
+    from sfa_rd2h.runtime.vllm import worker as worker_mod
+
+    p, d = pair()
+    waits: list[float] = []
+    real = d.half.agreement.wait_fresh
+    monkeypatch.setattr(d.half.agreement, "wait_fresh",
+                        lambda timeout: waits.append(timeout) or real(timeout))
+    d.step()
+    assert d.metas[-1].idle and not d.metas[-1].receiving and waits == []  # nothing awaited
+    rid_d, rid_p = "cmpl-idle-0-dddddddd", "cmpl-idle-0-pppppppp"
+    start_decode(d, rid_d, 40, metaserver, max_tokens=6)
+    d.step()  # registers the request: its reads cannot have begun, so no wait
+    assert d.metas[-1].recv and waits == []
+    d.step()
+    assert d.metas[-1].idle and d.metas[-1].receiving
+    assert waits == [worker_mod.IDLE_WAIT_S]
+    p.sched.add_request(prefill_request(rid_p, 40, rendezvous_for(metaserver, "cmpl-idle-0", 1)))
+    p.step()
+    receive(d, rid_d)
+    before = len(waits)
+    out = finish_decode(d, rid_d)
+    assert str(out.finish_reason) == "length"
+    # decoding steps schedule tokens: none of them waited
+    assert not any(m.idle for m in d.metas[-3:]) and len(waits) == before
+    assert p.half.wait_for_sends(WAIT) == []
+
+
 def test_prefill_tracks_chunks(pair, metaserver):
     # Prefill computes the 40-token prompt in chunks of 16: each step's READYs cover the
     # blocks completed since the last chunk, the final one the partial block (C2).

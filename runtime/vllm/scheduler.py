@@ -193,6 +193,7 @@ class ConsumerScheduler:
                 self._meta.fail_recv[req_id] = error
         meta, self._meta = self._meta, Rd2hMetadata()
         meta.receiving = bool(self._unreported)
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

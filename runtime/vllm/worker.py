@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.002  # longest wait of an idle step for a read (a new request waits it too)
 _LAYER_IDX = re.compile(r"layers\.(\d+)")
 _READ_KEY_LAYER = re.compile(r"/L(\d+)/")
 
@@ -577,6 +578,7 @@ class ConsumerWorker:
         # The step's Rd2hMetadata.receiving: False when no request awaits its outcome, so
         # the agreement round (a collective over the TP group at TP > 1) is skipped.
         self._receiving = True
+        self._idle = False  # the step's Rd2hMetadata.idle
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = collect_layers(kv_caches, self.kv_cache_config, self.cfg)
@@ -619,6 +621,7 @@ class ConsumerWorker:
     def begin_step(self, meta: Rd2hMetadata) -> None:
         """Register the step's new destinations (C1) and cancel what vLLM gave up on."""
         self._receiving = meta.receiving
+        self._idle = meta.idle and not meta.recv
         for recv in meta.recv:
             blocks = np.asarray(recv.main_block_ids[recv.first_block:], dtype=np.int64)
             if self.worker is None:
@@ -661,6 +664,11 @@ class ConsumerWorker:
             # Not receiving: every rank got the same metadata, so every rank skips this
             # round and the ranks still join the same collectives in the same order (R2).
             return finished, failed
+        if self._idle:
+            # Nothing to compute: wait a moment for a read to end rather than return at
+            # once. vLLM would run the next empty step right away, and its worker and
+            # EngineCore spin through such steps, taking the CPU the reader needs.
+            self.agreement.wait_fresh(IDLE_WAIT_S)
         outcomes: list[RequestFinished] = self.agreement.round(self.worker)
         for done in outcomes:
             req_id = self._by_ext.pop(done.ext_req_id, None)
