@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfa_rd2h.spec import wire
+from sfa_rd2h.spec import wire, wire_decode, wire_encode
 from sfa_rd2h.spec.errors import VersionMismatch, WireError
 from sfa_rd2h.spec.wire import (
     LAYOUT_VERSION,
@@ -558,7 +558,7 @@ def test_a_decoder_bug_in_layer_metadata_still_surfaces_as_wire_error(
     def broken(blob: bytes) -> None:
         raise KeyError("l7")
 
-    monkeypatch.setattr(wire, "_decode_layer_table", broken)
+    monkeypatch.setattr(wire_decode, "_decode_layer_table", broken)
     with pytest.raises(WireError) as info:
         decode_layer_metadata(encode_layer_metadata(LAYERS))
     assert str(info.value) == "internal decoder error: KeyError: 'l7'"
@@ -1101,9 +1101,9 @@ def test_ready_frames_refuse_a_frame_over_max_frame_bytes(
     out, one byte more is refused, naming its size and the limit."""
     frames = ReadyFrames((ReadReq("a", (1, 2), (3,)),))
     size = len(frames.encode(7, "l7", ("a",)))
-    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size)
+    monkeypatch.setattr(wire_encode, "MAX_FRAME_BYTES", size)
     assert len(frames.encode(7, "l7", ("a",))) == size
-    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", size - 1)
+    monkeypatch.setattr(wire_encode, "MAX_FRAME_BYTES", size - 1)
     assert _refusal(lambda: frames.encode(7, "l7", ("a",))) == (
         f"encoded ReadReadyBatch is {size} bytes, over MAX_FRAME_BYTES={size - 1}")
 
@@ -1130,7 +1130,7 @@ def test_fast_id_check_refuses_like_the_per_list_check(bad: Any, field: int, leg
     entries[1][field][2] = bad
     frame = msgpack.packb([wire.READ_READY_BATCH, 3, "layer", entries, [], 0, 1],
                           use_bin_type=True)
-    assert (len(frame) > wire._STREAM_BYTES) is streamed
+    assert (len(frame) > wire_decode._STREAM_BYTES) is streamed
     name = "p_main_block_ids" if field == 1 else "p_indexer_block_ids"
     with pytest.raises(WireError) as exc:
         wire.decode(frame)
@@ -1165,9 +1165,9 @@ def test_a_large_ready_decodes_entry_by_entry_into_narrow_arrays(legacy: bool) -
         ["r0", small, small[:10], 0, 3], ["r1", big, [300, 2], 7, 0]]
     frame = msgpack.packb([wire.READ_READY_BATCH, 2, "layer", reqs, ["r0"], 0, 1],
                           use_bin_type=True)
-    assert len(frame) > wire._STREAM_BYTES
+    assert len(frame) > wire_decode._STREAM_BYTES
     msg = wire.decode(frame)
-    assert msg == wire._decode_ready(wire._unpack(frame))  # the whole-frame path
+    assert msg == wire_decode._decode_ready(wire_decode._unpack(frame))  # the whole-frame path
     r0, r1 = msg.read_reqs
     assert r0.p_main_block_ids.dtype == np.uint8 and r0.p_main_block_ids.tolist() == small
     assert r1.p_main_block_ids.dtype == np.uint32 and r1.p_main_block_ids.tolist() == big
@@ -1186,7 +1186,7 @@ def test_a_large_ready_decodes_entry_by_entry_into_narrow_arrays(legacy: bool) -
 def test_property_encode_writes_msgpacks_bytes(msg: Any) -> None:  # W2
     """msgspec encodes every message byte for byte as ``msgpack.packb(use_bin_type=True)``
     packs the same fields: the wire format upstream peers read does not change."""
-    assert encode(msg) == pack(wire._fields(msg))
+    assert encode(msg) == pack(wire_encode._fields(msg))
 
 
 def test_encode_takes_str_and_int_subclasses_and_numpy_ids_as_plain_values() -> None:
@@ -1229,11 +1229,11 @@ def test_property_fast_ready_path_accepts_only_what_the_general_path_accepts(
     elif where == "append" and entries:
         entries[0].append(data.draw(values))
     frame = pack(fields)
-    fast = wire._ready_fast(frame)
+    fast = wire_decode._ready_fast(frame)
     if where == "none":
         assert fast is not None  # Prefill's own shape takes the fast path
     try:
-        general = wire._decode_ready(wire._unpack(frame))
+        general = wire_decode._decode_ready(wire_decode._unpack(frame))
     except WireError:
         assert fast is None
         return
