@@ -202,7 +202,7 @@ class _IdBuffer:
     to the narrowest of three flat arrays that takes it (``B``, ``H``, ``I``), so an id
     costs at most the bytes it took on the wire. A list that no array takes (an id not an
     int, negative or too large) or that holds a bool (which ``array`` takes as 0 or 1) goes
-    through ``_int_tuple``, which refuses it with the words a constructed ``ReadReq`` uses;
+    through ``check_int_tuple``, which refuses it with the words a constructed ``ReadReq`` uses;
     ids above MAX_BLOCK_ID, which ``I`` holds, are found by a max over the lists in it."""
 
     __slots__ = ("bufs", "spans")
@@ -261,7 +261,7 @@ assert array("I").itemsize == 4
 
 # --- The READY as Prefill writes it, decoded by msgspec (typed, constrained, in C).
 # Every current READY is a 7-field array of 5-field entries; msgspec decodes exactly that
-# shape, with every bound this module checks (lengths, ranges, non-empty ids; bools are
+# shape, with every bound the messages check (lengths, ranges, non-empty ids; bools are
 # not ints to msgspec) checked as it goes, and the ids as plain lists that ``array``
 # takes in C. Anything it refuses - or any other shape: legacy forms, W4 appendices -
 # goes to the general path below, which decides again and words any refusal, so this
@@ -395,7 +395,7 @@ def _decode_entries(raw_reqs: Iterable[Any]) -> tuple[ReadReq, ...]:
 
 def _refuse_wide(ids: _IdBuffer, fields: list[tuple[int, str]], upto: int | None) -> None:
     """Refuse the first list, of entries before ``upto``, holding an id above MAX_BLOCK_ID,
-    exactly as ``_int_tuple`` words it (those ids fit the ``I`` array, so only here are
+    exactly as ``check_int_tuple`` words it (those ids fit the ``I`` array, so only here are
     they seen)."""
     bad = ids.check_wide()
     if bad is None or (upto is not None and fields[bad][0] >= upto):

@@ -39,6 +39,7 @@ from .wire_messages import (
     ReadFailed,
     ReadReadyBatch,
     ReadReq,
+    entry_fields,
 )
 
 
@@ -62,21 +63,13 @@ def encode_layer_metadata(layers: Mapping[str, LayerMeta]) -> bytes:
 
 
 def _fields(msg: Message) -> tuple[Any, ...]:
-    # msgpack packs tuples and lists as arrays; block id arrays go out as lists of ints.
+    # msgpack packs tuples and lists as arrays.
     if isinstance(msg, ReadReadyBatch):
         return (
             READ_READY_BATCH,
             msg.layer_idx,
             msg.layer_name,
-            tuple(
-                (
-                    r.ext_req_id,
-                    *(r.given_ids or (r.p_main_block_ids.tolist(), r.p_indexer_block_ids.tolist())),
-                    r.main_dest_start,
-                    r.indexer_dest_start,
-                )
-                for r in msg.read_reqs
-            ),
+            entry_fields(msg.read_reqs),
             msg.done_ext_ids,
             msg.group_member_idx,
             msg.tp_ratio,

@@ -278,12 +278,6 @@ class ReadReq:
             check_int(self.indexer_dest_start, "indexer_dest_start", 0, MAX_BLOCK_ID),
         )
 
-    @property
-    def given_ids(self) -> tuple[Any, Any] | None:
-        """The main and indexer id lists a local caller gave, checked and copied to tuples,
-        which the encoder packs as they are; None for a decoded entry."""
-        return self._given
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ReadReq):
             return NotImplemented
@@ -314,7 +308,7 @@ _U8, _U16, _U32 = np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)
 
 def _id_array(value: Any, field: str) -> np.ndarray:
     """Block ids given by a local caller as a read-only narrow array, checked as
-    ``_int_tuple`` checks them (the same refusals, the same words)."""
+    ``check_int_tuple`` checks them (the same refusals, the same words)."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
         if value.size > MAX_BLOCKS_PER_ENTRY:
             raise WireError(f"{field}: {value.size} items exceed the limit of "
@@ -401,6 +395,21 @@ class ReadFailed:
 
 
 Message = MfMeta | ReadReadyBatch | ReadDone | ReadFailed | MfMetaAck
+
+
+def entry_fields(reqs: Sequence[ReadReq]) -> tuple[tuple[Any, ...], ...]:
+    """The W2 ``read_reqs`` entries of ``reqs`` as the encoder packs them: each entry's
+    fields in wire order, its block ids as the checked lists a local caller gave or, for a
+    decoded entry, its arrays as lists of ints (msgpack packs no arrays)."""
+    return tuple(
+        (
+            r.ext_req_id,
+            *(r._given or (r.p_main_block_ids.tolist(), r.p_indexer_block_ids.tolist())),
+            r.main_dest_start,
+            r.indexer_dest_start,
+        )
+        for r in reqs
+    )
 
 
 # Slot setters of the frozen messages, in field order, for a decoder that has checked every
