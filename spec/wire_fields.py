@@ -78,11 +78,12 @@ def show(value: object) -> str:
 
 # --------------------------------------------------------------------------- field checks
 # Each returns the value normalised (a tuple for a list) or raises ``WireError`` naming
-# the field. Python's bool is an int subclass and msgpack decodes true/false to bool, so every int
-# check below rejects bool explicitly: a `True` block id is a peer bug, not block 1.
+# the field. Python's bool is an int subclass and msgpack decodes true/false to bool, so
+# every int check below rejects bool explicitly: a `True` block id is a peer bug, not 1.
 
 
 def check_int(value: Any, field: str, lo: int, hi: int) -> int:
+    """An int (not a bool) in ``[lo, hi]``."""
     if type(value) is not int:
         # Decoded frames only ever hold plain ints; this slower path lets local callers
         # pass numpy integers, which have __index__, without letting bools or floats in.
@@ -95,6 +96,7 @@ def check_int(value: Any, field: str, lo: int, hi: int) -> int:
 
 
 def check_int_tuple(value: Any, field: str, lo: int, hi: int, max_len: int) -> tuple[int, ...]:
+    """A list, tuple or 1-D numpy array of at most ``max_len`` ints in ``[lo, hi]``."""
     if type(value) is tuple:
         items = value
     elif type(value) is list:
@@ -122,6 +124,7 @@ def check_int_tuple(value: Any, field: str, lo: int, hi: int, max_len: int) -> t
 
 
 def check_str(value: Any, field: str, max_len: int, *, allow_empty: bool = False) -> str:
+    """A UTF-8 encodable str of at most ``max_len`` characters, empty only if allowed."""
     if not isinstance(value, str):
         raise WireError(f"{field}: expected str, got {show(value)}")
     if not value and not allow_empty:
@@ -139,12 +142,14 @@ def check_str(value: Any, field: str, max_len: int, *, allow_empty: bool = False
 
 
 def check_bool(value: Any, field: str) -> bool:
+    """A bool, and nothing that merely converts to one."""
     if type(value) is not bool:
         raise WireError(f"{field}: expected bool, got {show(value)}")
     return value
 
 
 def error_text(value: Any, field: str) -> str:
+    """Error text cut to ``MAX_ERROR_LEN`` UTF-8 bytes and made encodable."""
     # Error text is diagnostic only: over-long or unencodable text from a local exception
     # is repaired (lone surrogates -> "?", cut to MAX_ERROR_LEN UTF-8 bytes at a character
     # boundary) rather than refused, so building a failure reply can never itself fail
@@ -160,6 +165,7 @@ def error_text(value: Any, field: str) -> str:
 
 
 def set_slot(obj: object, name: str, value: object) -> None:
-    # Frozen dataclasses normalise their own fields once, at construction.
+    """Set a field of a frozen message: how it normalises its own fields, once, at
+    construction (``__post_init__``)."""
     object.__setattr__(obj, name, value)
 
