@@ -67,8 +67,9 @@ class Rd2hMetadata(KVConnectorMetadata):
     # same value reaches every TP rank, so all ranks skip the agreement round together
     # when it is False (R2); True unless the scheduler half says otherwise.
     receiving: bool = True
-    # vLLM scheduled no token this step: the engine has nothing to compute and only waits
-    # for KV, so the worker may block a moment for a read to end instead of spinning.
+    # vLLM scheduled no token this step and no destination is registered in it: the
+    # engine has nothing to compute and only waits for KV, so the worker may block a
+    # moment for a read to end instead of spinning.
     idle: bool = False
     # Prefill
     send: list[SendRequest] = field(default_factory=list)

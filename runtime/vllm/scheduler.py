@@ -193,7 +193,8 @@ class ConsumerScheduler:
                 self._meta.fail_recv[req_id] = error
         meta, self._meta = self._meta, Rd2hMetadata()
         meta.receiving = bool(self._unreported)
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        # A step that registers destinations is not idle: their reads cannot have begun.
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0 and not meta.recv
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

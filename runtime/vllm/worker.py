@@ -621,7 +621,7 @@ class ConsumerWorker:
     def begin_step(self, meta: Rd2hMetadata) -> None:
         """Register the step's new destinations (C1) and cancel what vLLM gave up on."""
         self._receiving = meta.receiving
-        self._idle = meta.idle and not meta.recv
+        self._idle = meta.idle
         for recv in meta.recv:
             blocks = np.asarray(recv.main_block_ids[recv.first_block:], dtype=np.int64)
             if self.worker is None:

@@ -450,6 +450,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
         stats = {name: {role: launch.connector_stats(s.log_text())
                         for role, s in sys_.servers.items()} for name, sys_ in systems.items()}
         binds = {name: s.binds for name, s in systems.items()}
+        whole = all(s.whole_engine for s in systems.values())
     finally:
         stop_systems(systems)
         for s in systems.values():
@@ -458,7 +459,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     rep = build_report(cfg, reqs, by_idx, reference, turns, skipped, stats, startup_s,
                        time.monotonic() - t0, shape.block_size)
     rep["binding"] = binds
-    rep["whole_engines_pinned"] = cfg.pause and not cfg.bind_all
+    rep["whole_engines_pinned"] = whole
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups
     return rep
@@ -533,20 +534,21 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
     if "sfa" in names:
         top["ttft_p50_ratio_single"] = ratio("sfa", "single", "ttft_p50_ms")
         top["ttft_p99_ratio_single"] = ratio("sfa", "single", "ttft_p99_ms")
-        # ITL from the engines' own histograms where they have them: client-side, several
-        # SSE events arrive in one read and a stream may arrive whole (ITL 0).
-        engine_itl = ratio("sfa", "single", "itl_engine_p50_ms")
-        top["itl_p50_source"] = "engine" if engine_itl is not None else "client"
-        top["itl_p50_ratio_single"] = engine_itl if engine_itl is not None \
-            else ratio("sfa", "single", "itl_p50_ms")
+        def itl_ratio(sc: str = at) -> float | None:
+            # ITL from the engines' own histograms where they have them: client-side,
+            # several SSE events arrive in one read and a stream may arrive whole (ITL 0).
+            engine = ratio("sfa", "single", "itl_engine_p50_ms", sc)
+            return engine if engine is not None else ratio("sfa", "single", "itl_p50_ms", sc)
+
+        top["itl_p50_source"] = ("engine" if ratio("sfa", "single", "itl_engine_p50_ms")
+                                 is not None else "client")
+        top["itl_p50_ratio_single"] = itl_ratio()
         top["itl_client_p50_ratio_single"] = ratio("sfa", "single", "itl_p50_ms")
         top["ttft_engine_p50_ratio_single"] = ratio("sfa", "single", "ttft_engine_p50_ms")
         top["throughput_ratio_single"] = ratio("sfa", "single", "throughput_tok_s")
         if "c1" in table:
             top["ttft_p50_ratio_single_c1"] = ratio("sfa", "single", "ttft_p50_ms", "c1")
-            c1_itl = ratio("sfa", "single", "itl_engine_p50_ms", "c1")
-            top["itl_p50_ratio_single_c1"] = c1_itl if c1_itl is not None \
-                else ratio("sfa", "single", "itl_p50_ms", "c1")
+            top["itl_p50_ratio_single_c1"] = itl_ratio("c1")
         for p in PEERS:
             top[f"ttft_p50_ratio_{p}"] = ratio("sfa", p, "ttft_p50_ms")
             top[f"throughput_ratio_{p}"] = ratio("sfa", p, "throughput_tok_s")

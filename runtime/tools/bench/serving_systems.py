@@ -144,6 +144,7 @@ class System:
     deployment: Any = None
     shared_dir: str | None = None
     binds: list[str] = field(default_factory=list)  # VLLM_CPU_OMP_THREADS_BIND per engine
+    whole_engine: bool = False  # every process of each engine kept on its binds' cores
     paused: bool = False
 
     @property
@@ -251,11 +252,11 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
 
     skipped = {n: why for n in names if n in PEERS and (why := peer_missing(n))}
     names = [n for n in names if n not in skipped]
-    binds = system_binds(names, pause and not bind_all)
     # Alone, each engine has its cores to itself, every process of it (whole_engine): with
     # only the OpenMP threads pinned, an idle Decode's EngineCore spun on Prefill's core
     # (sfa/single TTFT p50 at 1: 2.75 and 9.2 in two runs, 1.90 and 2.35 pinned whole).
     whole = pause and not bind_all
+    binds = system_binds(names, whole)
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     systems: dict[str, System] = {}
 
@@ -283,7 +284,7 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
             return send_pd(session, p.url, d.url, r, params)
 
         systems[name] = System(name, {"prefill": pre, "decode": dec}, submit,
-                               shared_dir=shared, binds=binds[name])
+                               shared_dir=shared, binds=binds[name], whole_engine=whole)
 
     try:
         # Two waves, single and sfa first, then the peers: seven engines starting at
@@ -293,13 +294,15 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
             server = launch.launch_engine("single", opts, port=port, log_dir=logs,
                                           cpu_bind=binds["single"][0], env=env,
                                           whole_engine=whole)
-            systems["single"] = System("single", {"single": server}, binds=binds["single"])
+            systems["single"] = System("single", {"single": server}, binds=binds["single"],
+                                       whole_engine=whole)
         if "sfa" in names:
             traced = {"trace_dir": str(trace_dir)} if trace_dir else {}
             dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
                                     binds=list(binds["sfa"]), prefill_extra=traced,
                                     decode_extra=traced, whole_engines=whole)
-            systems["sfa"] = System("sfa", {}, deployment=dep, binds=binds["sfa"])
+            systems["sfa"] = System("sfa", {}, deployment=dep, binds=binds["sfa"],
+                                    whole_engine=whole)
             dep.start(deadline)
             systems["sfa"].servers = {"prefill": dep.prefill, "decode": dep.decode}
             systems["sfa"].proxy = dep.proxy
