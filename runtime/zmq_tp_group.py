@@ -22,6 +22,7 @@ than at the timeout, and may be called from another thread while a collective is
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Any
@@ -39,7 +40,9 @@ from sfa_rd2h.runtime.tp_group import (
 _GATHER = b"g"  # rank > 0 -> rank 0: [b"g", seq, payload]
 _RESULT = b"r"  # rank 0 -> rank > 0: [b"r", seq, packed list of every rank's payload]
 _BYE = b"bye"  # either way: this rank leaves the group
+log = logging.getLogger(__name__)
 _BYE_LINGER_MS = 200  # how long close() lets a goodbye drain before dropping it
+_TERM_S = 2.0  # how long close() waits for the context to terminate
 _MAX_FRAME = 64 << 20  # a contribution is a few request ids; anything larger is garbage
 _wake_ids = itertools.count()
 
@@ -204,7 +207,16 @@ class ZmqTpGroup(MultiRankGroup):
                 self._sock.close()
                 self._wake_r.close(linger=0)
                 self._wake_w.close(linger=0)
-                self._ctx.term()
+                # Every socket is closed and lingers at most _BYE_LINGER_MS, yet a fresh-clone
+                # CI run caught Context.term() here never returning (a demo Decode rank's
+                # stack at 'stop', cause unknown): a shutdown must not wedge on it.
+                term = threading.Thread(target=self._ctx.term, name="tp-group-term",
+                                        daemon=True)
+                term.start()
+                term.join(_TERM_S)
+                if term.is_alive():
+                    log.warning("TP group rank %d: the ZMQ context did not terminate within "
+                                "%gs; left to the process's exit", self._rank, _TERM_S)
 
 
 def _ms_clock() -> int:
