@@ -220,7 +220,7 @@ class FinalAfterLostLayer(PrefillCore):
     """S7: after giving up on a reader, Prefill still reports the requests of the lost
     READY final to that endpoint, so Decode completes them without that layer."""
 
-    def _abandon(self, endpoint: str, layer_idx: int | None) -> None:
+    def _abandon(self, endpoint: str, layer_idx: int | None, reason: str) -> None:
         return None
 
 

@@ -53,7 +53,7 @@ from sfa_rd2h.statemachines.cores.actions import (
     Send,
 )
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
-from sfa_rd2h.statemachines.cores.prefill import PrefillCore
+from sfa_rd2h.statemachines.cores.prefill import Abandoned, PrefillCore
 from sfa_rd2h.statemachines.trace import REPLY_KINDS, Tracer, summarize
 
 log = logging.getLogger(__name__)
@@ -304,13 +304,17 @@ class PrefillWorker(_Worker):
 
     def __init__(self, core: PrefillCore, *, tracer: Tracer | None = None,
                  context: zmq.Context | None = None, clock: Clock = time.monotonic,
-                 curve: CurveSecurity | None = None) -> None:
+                 curve: CurveSecurity | None = None,
+                 on_abandoned: Callable[[Abandoned], None] | None = None) -> None:
         if curve is not None:
             if not curve.server_public:
                 raise ControlPlaneError("CURVE on Prefill needs the Decode public key "
                                         "(server_public)")
             _check_curve_keys(curve, "public", "secret", "server_public")
         self._curve = curve
+        # Told, on the sender thread, of every request given up on for an endpoint (S5, S7);
+        # it must not block (the vLLM connector queues an HTTP report).
+        self._on_abandoned = on_abandoned
         self.core = core
         self.stats = PrefillStats()
         self._tracer = tracer
@@ -488,6 +492,7 @@ class PrefillWorker(_Worker):
                     else:
                         self._recv_replies(endpoint)
                 self._timers()
+                self._report_abandoned()
         except BaseException as exc:  # noqa: BLE001 - reported to every API caller
             log.exception("prefill rank %d sender thread failed", self.core.p_rank)
             with self._cond:
@@ -497,6 +502,18 @@ class PrefillWorker(_Worker):
             for endpoint in list(self._dealers):
                 self._drop(endpoint, "close")
             self._wake.rx.close(linger=0)
+
+    def _report_abandoned(self) -> None:
+        with self._cond:
+            abandoned = self.core.take_abandoned()
+        if self._on_abandoned is None:
+            return
+        for item in abandoned:
+            try:
+                self._on_abandoned(item)
+            except Exception:  # noqa: BLE001 - a report is advice; the sender thread goes on
+                log.exception("prefill rank %d: reporting %s failed", self.core.p_rank,
+                              item.ext_req_id)
 
     def _land(self, layer_idx: int, event: Any) -> None:
         wait_device_event(event)  # C4: never publish before the scatter landed

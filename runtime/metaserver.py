@@ -350,6 +350,32 @@ def report_finished(
     _call(f"{base_url.rstrip('/')}/v1/finished", body, timeout)
 
 
+MAX_FAILURE_LEN = 2000  # a failure report's text; longer is cut, never refused
+
+
+def failure_url(metaserver_url: str) -> str:
+    """Where a request's KV failure is reported, beside the rendezvous URL it came with."""
+    return f"{metaserver_url.rstrip('/')}/failed"
+
+
+def report_kv_failure(
+    metaserver_url: str,
+    request_id: str,
+    error: str,
+    *,
+    reporter: str,
+    timeout: float = FINISHED_TIMEOUT_S,
+    token: str | None = None,
+) -> None:
+    """Tell the metaserver that the KV of ``request_id`` will not reach its Decode (S5,
+    S7), so the proxy can end the request at once instead of at Decode's deadline (R1).
+
+    One attempt: the report is advice, the deadline still covers a report that is lost.
+    Raises ``OSError`` (transport) or :class:`ProxyRequestError` (an HTTP error answer)."""
+    body = {"request_id": request_id, "error": error[:MAX_FAILURE_LEN], "reporter": reporter}
+    _call(failure_url(metaserver_url), body, timeout, token)
+
+
 # --------------------------------------------------------------------------- proxy state
 
 

@@ -82,10 +82,11 @@ def test_single_prompt_flows_decode_first(backends, proxy):
     # Same X-Request-Id, so vLLM names the request cmpl-<xrid>-0 on both sides.
     assert p_call["x_request_id"] == xrid
     assert backends.posted == [(f"cmpl-{xrid}-0", 200)]
-    params = body["kv_transfer_params"]  # exactly what Decode posted
-    assert params == Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",
-                                remote_host="127.0.0.1", remote_port=20000,
-                                remote_tp_size=1).to_json()
+    params = body["kv_transfer_params"]  # what Decode posted, and where to report a failure
+    assert params == {**Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",
+                                   remote_host="127.0.0.1", remote_port=20000,
+                                   remote_tp_size=1).to_json(),
+                      "metaserver": proxy.metaserver_url}
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
     assert jobs[-1]["outcome"] == "ok" and jobs[-1]["rendezvous_ms"] is not None
     assert jobs[-1]["prefill_status"] == 200  # what Prefill answered, for a stuck request

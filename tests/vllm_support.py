@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sfa_rd2h.runtime.metaserver import Rendezvous, post_rendezvous
+from sfa_rd2h.runtime.vllm.failures import FailureReporter
 from sfa_rd2h.runtime.vllm.proxy import split_prompt
 
 
@@ -73,7 +74,7 @@ class Backends:
     """Shared state of one fake Decode and one fake Prefill; tests set the ``*_mode``s."""
 
     decode_mode: str = "ok"  # ok | no_rendezvous | error
-    prefill_mode: str = "ok"  # ok | error
+    prefill_mode: str = "ok"  # ok | error | lost (200, no KV, then a failure report)
     rendezvous_gap_s: float = 0.0  # between a prompt list's posts (staggered allocation)
     post_internal_ids: bool = False  # post vLLM's internal ids (with the -<8 hex> suffix)
     cached_tokens: tuple[int, ...] = ()  # remote_cached_tokens per prompt (default 0)
@@ -92,6 +93,8 @@ class Backends:
         default_factory=lambda: _set(threading.Event()))
     decode: AppServer | None = None
     prefill: AppServer | None = None
+    reporter: FailureReporter = field(
+        default_factory=lambda: FailureReporter("fake prefill", timeout=5.0))
 
     def event(self, request_id: str) -> threading.Event:
         with self.lock:
@@ -110,6 +113,7 @@ class Backends:
         for server in (self.decode, self.prefill):
             if server is not None:
                 server.close()
+        self.reporter.close(5.0)
 
     # -------------------------------------------------------------- fake Decode
 
@@ -217,7 +221,14 @@ class Backends:
             # "Pushed the KV" of every sub-request, named as vLLM names them.
             xrid = request.headers["x-request-id"]
             for i in range(len(split_prompt(body["prompt"]))):
-                self.event(f"cmpl-{xrid}-{i}").set()
+                if self.prefill_mode == "lost":
+                    # Like the connector whose reader never acknowledged MF_META: the
+                    # 1-token answer is 200, the report follows from another thread.
+                    self.reporter.report(body["kv_transfer_params"].get("metaserver"),
+                                         f"cmpl-{xrid}-{i}", "MF_META not acknowledged "
+                                         "within 5.0s")
+                else:
+                    self.event(f"cmpl-{xrid}-{i}").set()
             return JSONResponse({"choices": [
                 {"index": i, "text": "", "token_ids": fake_tokens(p, 1)}
                 for i, p in enumerate(split_prompt(body["prompt"]))],

@@ -94,6 +94,7 @@ COUNTERS = (
     "blocks_sent",  # P: block positions published in READYs (C2)
     "requests_sent",  # P: requests whose every READY was answered (finished_sending)
     "send_failures",  # P: slots whose readers failed or vanished (S4, S5)
+    "requests_abandoned",  # P: requests whose KV a lost reader never got whole (S7)
 )
 
 

@@ -25,8 +25,12 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/metaserver`` (200 ``{"status": "
 once - it does not hold Decode's POST while Prefill runs -, 400 bad body, 404 unknown id,
 409 a different rendezvous after dispatch; the same contract as the threaded
 :class:`~sfa_rd2h.runtime.metaserver.ProxyServer`, so ``post_rendezvous`` and its F1 retry
-semantics apply), ``GET /v1/models`` (Decode's), ``GET /health`` and ``GET /healthcheck``,
-``GET /v1/proxy/jobs`` (timings of recent completions).
+semantics apply), ``POST /v1/metaserver/failed`` (a process that knows a sub-request's KV
+will not reach Decode - a Prefill rank that gave up on its reader, S5/S7 - ends the
+completion at once with that cause: 200, 400 bad body, 404 unknown id; Prefill learns the
+URL from its ``kv_transfer_params["metaserver"]``), ``GET /v1/models`` (Decode's),
+``GET /health`` and ``GET /healthcheck``, ``GET /v1/proxy/jobs`` (timings of recent
+completions).
 
 Run it standalone::
 
@@ -47,6 +51,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -372,6 +377,16 @@ class DisaggProxy:
             status, payload = self._rendezvous(rdv, body)
             return JSONResponse(payload, status_code=status)
 
+        @app.post("/v1/metaserver/failed")
+        async def failed(request: Request) -> Response:
+            try:
+                body = json.loads(await request.body())
+                request_id, error, reporter = _failure_report(body)
+            except ValueError as exc:
+                return JSONResponse({"error": str(exc)}, status_code=400)
+            status, payload = self._kv_failed(request_id, error, reporter)
+            return JSONResponse(payload, status_code=status)
+
         @app.get("/v1/models")
         async def models() -> Response:
             assert self._client is not None
@@ -451,7 +466,10 @@ class DisaggProxy:
         if not job.dispatched:
             got = sum(r is not None for r in job.parsed)
             job.fail(504, f"only {got} of {len(job.prompts)} sub-requests posted a rendezvous "
-                          f"within {self.rendezvous_timeout_s}s (C3)", "GatewayTimeout")
+                          f"within {self.rendezvous_timeout_s}s (C3); decode {job.decode} "
+                          f"posts them to {self.metaserver_url}: if it cannot reach that "
+                          "address, start the proxy with --advertise-host set to one it "
+                          "reaches", "GatewayTimeout")
 
     async def _run(self, job: _Job, request: Request) -> Response:
         assert self._client is not None
@@ -503,6 +521,12 @@ class DisaggProxy:
                 await resp.aclose()
             job.fail(resp.status_code, f"decode answered {resp.status_code}")
             self._close_job(job, f"decode {resp.status_code}", cancel_prefill=True)
+            if not any(job.parsed):
+                # Its own error, before any rendezvous reached us: most likely the one
+                # address it was given here (C1) did not work from there.
+                log.warning("proxy: decode %s answered %d to %s before posting a rendezvous "
+                            "to %s (is --advertise-host an address Decode reaches?)",
+                            job.decode, resp.status_code, job.xrid, self.metaserver_url)
             return Response(data[:MAX_ERROR_BODY], status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"))
         streaming = bool(job.body.get("stream"))
@@ -620,6 +644,10 @@ class DisaggProxy:
                 return 409, {"error": f"request_id {rdv.request_id!r}: a different rendezvous "
                                       "was already dispatched to Prefill"}
             return 200, {"status": "ok", "duplicate": True}
+        problem = loopback_across_hosts(rdv.remote_host, job.decode, job.prefill)
+        if problem is not None:
+            job.fail(502, problem, "BadGateway")
+            return 409, {"error": problem}
         # Before dispatch the latest rendezvous wins (e.g. a Decode that retried).
         job.parsed[i] = rdv
         # Unknown keys travel on to Prefill (W4-style extension); the validated ones win.
@@ -635,10 +663,25 @@ class DisaggProxy:
                 lambda _: job.times.setdefault("prefill_done", loop.time()))
         return 200, {"status": "ok"}
 
+    def _kv_failed(self, request_id: str, error: str,
+                   reporter: str) -> tuple[int, dict[str, Any]]:
+        """A process that knows a sub-request's KV will not reach Decode said so: the
+        completion fails now (the client's error names the cause) rather than when Decode's
+        request deadline passes (R1); closing Decode's stream aborts it there."""
+        hit = self._find(request_id)
+        if hit is None:
+            return 404, {"error": f"unknown request_id {request_id!r}"}
+        job, _ = hit
+        job.fail(502, f"the KV of {request_id} will not reach decode {job.decode} "
+                      f"(reported by {reporter}): {error}", "BadGateway")
+        return 200, {"status": "ok"}
+
     def _prefill_body(self, job: _Job) -> dict[str, Any]:
         body = {k: v for k, v in job.body.items() if k not in _PREFILL_DROP}
-        body.update(max_tokens=1, min_tokens=1, stream=False,
-                    kv_transfer_params=prefill_params(job.rendezvous))  # type: ignore[arg-type]
+        params = prefill_params(job.rendezvous)  # type: ignore[arg-type]
+        # Where Prefill reports a request whose KV it cannot deliver (runtime.vllm.failures).
+        params["metaserver"] = self.metaserver_url
+        body.update(max_tokens=1, min_tokens=1, stream=False, kv_transfer_params=params)
         if "max_completion_tokens" in job.body:
             body["max_completion_tokens"] = 1
         return body
@@ -718,6 +761,32 @@ def prefill_params(rendezvous: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return first
 
 
+def _host_of(url: str) -> str:
+    return (urllib.parse.urlsplit(url).hostname or "").lower()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_across_hosts(remote_host: str, decode_url: str, prefill_url: str) -> str | None:
+    """Why a rendezvous cannot be right, or None: Decode advertised a loopback address
+    while the proxy reaches it, and Prefill, at other addresses - Prefill would dial its own
+    host and wait for a handshake that never comes (S5, after ``handshake_timeout``)."""
+    decode_host, prefill_host = _host_of(decode_url), _host_of(prefill_url)
+    if not _is_loopback(remote_host) or _is_loopback(decode_host) \
+            or decode_host == prefill_host:
+        return None
+    return (f"decode {decode_url} advertised remote_host={remote_host!r}, a loopback "
+            f"address, to Prefill {prefill_url} on another host: set `host` in the Decode "
+            "connector's kv_connector_extra_config to an address Prefill reaches")
+
+
 async def _client_gone(request: Request) -> None:
     """Return when the client disconnects (the body has been read, so the next ASGI message
     is the disconnect)."""
@@ -731,6 +800,19 @@ async def _settle(task: asyncio.Future[Any]) -> Any:
         return await task
     except (asyncio.CancelledError, Exception):  # only unwinding here; the caller decides
         return None
+
+
+def _failure_report(body: Any) -> tuple[str, str, str]:
+    """``(request_id, error, reporter)`` of a ``POST /v1/metaserver/failed`` body."""
+    if not isinstance(body, dict):
+        raise ValueError("a failure report must be a JSON object")
+    fields = []
+    for name, limit in (("request_id", 256), ("error", 4000), ("reporter", 256)):
+        value = body.get(name, "" if name == "reporter" else None)
+        if not isinstance(value, str) or (name != "reporter" and not value):
+            raise ValueError(f"{name!r} must be a non-empty string")
+        fields.append(value[:limit])
+    return fields[0], fields[1], fields[2] or "an unnamed reporter"
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from sfa_rd2h.runtime.metaserver import MetaserverUnreachable, Rendezvous, post_rendezvous
 from sfa_rd2h.runtime.vllm.config import Rd2hConfig
+from sfa_rd2h.runtime.vllm.failures import FailureReporter
 from sfa_rd2h.runtime.vllm.metadata import (
     Chunk,
     Rd2hMetadata,
@@ -250,6 +251,9 @@ class ProducerScheduler:
         self._new: dict[str, bool] = {}  # req -> restart: to be shipped in the next meta
         self._meta = Rd2hMetadata()
         self.rejected = 0
+        # A refused request is computed all the same with nowhere to send its KV: its
+        # Decode would wait for it until R1's deadline unless the proxy is told.
+        self.reporter = FailureReporter("Prefill scheduler", timeout=cfg.metaserver_timeout)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -270,8 +274,9 @@ class ProducerScheduler:
         except ProtocolError as exc:
             # vLLM still computes the request; it just has nowhere to send its KV.
             self.rejected += 1
-            log.error("request %s: kv_transfer_params rejected, KV is not sent: %s",
-                      req_id, exc)
+            self.reporter.report(params.get("metaserver"), external_id(req_id),
+                                 f"Prefill refused the request's kv_transfer_params, its KV "
+                                 f"is not sent: {exc}")
             return
         self._tracked[req_id] = _Sending(request, external_id(req_id), dict(params),
                                          remote.remote_cached_tokens // self.block_size)

@@ -44,13 +44,14 @@ from sfa_rd2h.runtime.engines import (
 )
 from sfa_rd2h.runtime.tp_group import GlooTpGroup, SingleRankGroup, TpGroup
 from sfa_rd2h.runtime.vllm.config import ConnectorConfigError, Rd2hConfig, check_port_free
+from sfa_rd2h.runtime.vllm.failures import FailureReporter, handshake_hint
 from sfa_rd2h.runtime.vllm.metadata import Rd2hMetadata, Rd2hStats
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import LayoutError, ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.statemachines.cores.actions import RequestFinished
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
-from sfa_rd2h.statemachines.cores.prefill import LayerSendError, PrefillCore
+from sfa_rd2h.statemachines.cores.prefill import Abandoned, LayerSendError, PrefillCore
 from sfa_rd2h.statemachines.engine import Observer
 from sfa_rd2h.statemachines.trace import Tracer
 
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.002  # longest wait of an idle step for a read (a new request waits it too)
 _LAYER_IDX = re.compile(r"layers\.(\d+)")
 _READ_KEY_LAYER = re.compile(r"/L(\d+)/")
+_REPORT_URLS_KEPT = 65536  # requests whose metaserver URL a Prefill rank remembers
 
 
 def layer_number(name: str) -> int | None:
@@ -309,6 +311,12 @@ class ProducerWorker:
         self._last_published: dict[str, int] = {}  # req -> last step it had a chunk in
         self._ext: dict[str, str] = {}  # req -> ext id, while tracked by the core
         self._held: dict[str, int] = {}  # finished req -> its last publishing step
+        # ext id -> the metaserver URL its kv_transfer_params named: where a failure to
+        # deliver its KV is reported. Written by the compute thread only, read by the
+        # sender's; kept past the request's end (a reader can be lost after it), bounded.
+        self._report_to: dict[str, str] = {}
+        self.reporter = FailureReporter(f"Prefill rank {self.rank}",
+                                        timeout=cfg.metaserver_timeout)
 
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -333,7 +341,8 @@ class ProducerWorker:
                 observer=_observers(timer, self.tracer))
             for i in reversed(range(len(layers))):
                 timer.layer_of.update({g.key: i for g in core.gates_of(i)})
-            self.worker = PrefillWorker(core, tracer=self.tracer)
+            self.worker = PrefillWorker(core, tracer=self.tracer,
+                                        on_abandoned=self._abandoned)
         except BaseException:
             engine.close()
             raise
@@ -357,13 +366,14 @@ class ProducerWorker:
                 # Preempted and re-admitted with new blocks: the old incarnation's READYs
                 # stand, and the request starts over from the blocks Decode lacks (C2).
                 self._finish(send.req_id)
+            self._remember_report_url(send.ext_id, send.params)
             try:
                 w.add_request(send.ext_id, send.params, send.main_block_ids,
                               send.indexer_block_ids)
             except ProtocolError as exc:  # e.g. T1 / P2 on this rank: nothing is sent
                 self.stats.add("send_failures")
-                log.error("Prefill rank %d: request %s not sent: %s", self.rank,
-                          send.ext_id, exc)
+                self.reporter.report(self._report_to.get(send.ext_id), send.ext_id,
+                                     f"Prefill rank {self.rank} does not send its KV: {exc}")
                 continue
             self._ext[send.req_id] = send.ext_id
         for req_id, (main, idx) in meta.extend.items():
@@ -391,6 +401,23 @@ class ProducerWorker:
             self._finish(req_id)
             if held:
                 self._held[req_id] = last
+
+    def _remember_report_url(self, ext: str, params: Mapping[str, Any]) -> None:
+        url = params.get("metaserver")
+        if not isinstance(url, str) or not url:
+            return
+        self._report_to[ext] = url
+        if len(self._report_to) > _REPORT_URLS_KEPT:
+            del self._report_to[next(iter(self._report_to))]
+
+    def _abandoned(self, item: Abandoned) -> None:
+        """On the sender thread: a reader was given up on with this request's KV
+        incomplete there (S5, S7); the proxy ends the request now, not at R1's deadline."""
+        self.stats.add("requests_abandoned")
+        self.reporter.report(
+            self._report_to.get(item.ext_req_id), item.ext_req_id,
+            f"Prefill rank {self.rank} gave up sending its KV to Decode at {item.endpoint}: "
+            f"{item.reason}; {handshake_hint(item.reason)}")
 
     def _finish(self, req_id: str) -> None:
         ext = self._ext.pop(req_id, None)
@@ -501,6 +528,7 @@ class ProducerWorker:
     def shutdown(self) -> None:
         _close_in_order(self, ("worker", "engine", "tracer"), self.cfg.close_timeout,
                         f"Prefill rank {self.rank}")
+        self.reporter.close(self.cfg.close_timeout)
 
 
 def _close_in_order(owner: Any, names: tuple[str, ...], timeout: float, who: str) -> None:

@@ -11,6 +11,7 @@ Per layer the work is O(endpoints) messages; block arithmetic is numpy slicing.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,15 @@ class PrefillRequest:
     sent_blocks: int = 0  # blocks already planned into READYs of every layer
     chunk: tuple[int, int] | None = None
     final: bool = False
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A request whose KV an endpoint will never get complete from this rank (S7)."""
+
+    endpoint: str
+    ext_req_id: str
+    reason: str
 
 
 @dataclass(eq=False)
@@ -126,6 +136,9 @@ class PrefillCore:
         # (endpoint, request) pairs Prefill gave up on (S7): never reported final there;
         # bounded, oldest forgotten first (a request that old has no READY left to send).
         self._abandoned: dict[tuple[str, str], None] = {}
+        # The same pairs as they are given up on, with the reason, until the runtime takes
+        # them (take_abandoned) to tell whoever waits for those requests; bounded alike.
+        self._newly_abandoned: deque[Abandoned] = deque(maxlen=_ABANDONED_KEPT)
         self._step: dict[str, tuple[wire.ReadyFrames, tuple[str, ...]]] | None = None
         self.endpoints: dict[str, _Endpoint] = {}
         self.requests: dict[str, PrefillRequest] = {}
@@ -417,16 +430,26 @@ class PrefillCore:
         self._reset_session(ep)
         for g in self.gates.values():
             if g.state == "awaiting_replies" and g.is_pending(endpoint):
-                self._abandon(endpoint, g.owner)
+                self._abandon(endpoint, g.owner, reason)
                 self._slots.fire(g, "reader_lost", endpoint, f"S5: {reason}")
 
-    def _abandon(self, endpoint: str, layer_idx: int | None) -> None:
+    def take_abandoned(self) -> list[Abandoned]:
+        """The requests given up on for an endpoint since the last call (S5, S7), oldest
+        first: their KV will never be complete there, so the runtime tells the request's
+        owner at once rather than let it wait for Decode's request deadline (R1)."""
+        taken = list(self._newly_abandoned)
+        self._newly_abandoned.clear()
+        return taken
+
+    def _abandon(self, endpoint: str, layer_idx: int | None, reason: str) -> None:
         """S7: the requests a lost READY named never get reported final to that endpoint,
         so Decode cannot complete them without the layer it never read; they expire there
         (R1) instead."""
         ids = self._carried.get(layer_idx, {}).get(endpoint, frozenset()) \
             if layer_idx is not None else frozenset()
-        for ext in ids:
+        for ext in sorted(ids):
+            if (endpoint, ext) not in self._abandoned:
+                self._newly_abandoned.append(Abandoned(endpoint, ext, reason))
             self._abandoned[(endpoint, ext)] = None
         while len(self._abandoned) > _ABANDONED_KEPT:
             del self._abandoned[next(iter(self._abandoned))]
