@@ -521,12 +521,16 @@ class DisaggProxy:
                 await resp.aclose()
             job.fail(resp.status_code, f"decode answered {resp.status_code}")
             self._close_job(job, f"decode {resp.status_code}", cancel_prefill=True)
-            if not any(job.parsed):
-                # Its own error, before any rendezvous reached us: most likely the one
-                # address it was given here (C1) did not work from there.
-                log.warning("proxy: decode %s answered %d to %s before posting a rendezvous "
-                            "to %s (is --advertise-host an address Decode reaches?)",
-                            job.decode, resp.status_code, job.xrid, self.metaserver_url)
+            if resp.status_code >= 500 and not any(job.parsed):
+                # Decode gave up before any rendezvous reached us (vLLM words a failed load
+                # "Internal server error"): most likely the one address it was given here
+                # (C1) does not work from there. Say so, with Decode's own words.
+                message = (f"decode {job.decode} answered {resp.status_code} "
+                           f"({_error_message(data)}) before posting any rendezvous to "
+                           f"{self.metaserver_url}: if Decode cannot reach that address, "
+                           "start the proxy with --advertise-host set to one it reaches")
+                log.warning("proxy: %s", message)
+                return _error(resp.status_code, message, "BadGateway")
             return Response(data[:MAX_ERROR_BODY], status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"))
         streaming = bool(job.body.get("stream"))
@@ -800,6 +804,14 @@ async def _settle(task: asyncio.Future[Any]) -> Any:
         return await task
     except (asyncio.CancelledError, Exception):  # only unwinding here; the caller decides
         return None
+
+
+def _error_message(data: bytes) -> str:
+    """The message of an OpenAI error body, else its first bytes."""
+    try:
+        return str(json.loads(data)["error"]["message"])[:500]
+    except (ValueError, KeyError, TypeError):
+        return data[:200].decode("utf-8", "replace")
 
 
 def _failure_report(body: Any) -> tuple[str, str, str]:
