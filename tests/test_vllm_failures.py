@@ -114,6 +114,7 @@ def test_the_reporter_posts_off_the_callers_thread_and_counts_what_was_not_heard
     threading.Thread(target=server.serve_forever, daemon=True).start()
     meta = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver"
     reporter = FailureReporter("Prefill rank 0", timeout=5.0)
+    _Recorder.seen.clear()
     try:
         reporter.report(None, "no-url", "nobody to tell")  # logged, nothing posted
         reporter.report(meta, "cmpl-a-0", "x" * 5000)
@@ -218,3 +219,47 @@ def test_the_sender_thread_tells_of_a_reader_that_never_answered():  # S5, S7, W
     assert (item.endpoint, item.ext_req_id) == (f"127.0.0.1:{port}", "r1")
     assert "MF_META not acknowledged within 0.5s" in item.reason
     assert thread == "prefill0-sender"
+
+
+def test_a_report_that_meets_a_transport_error_is_retried_until_heard():
+    """The link that lost Decode may have cut the proxy off too; it comes back."""
+    import logging
+    import socket
+
+    retrying = threading.Event()
+
+    class Spy(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retrying" in record.getMessage():
+                retrying.set()
+
+    spy = Spy(logging.INFO)
+    logger = logging.getLogger("sfa_rd2h.runtime.vllm.failures")
+    logger.addHandler(spy)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound, not listening: a connect is refused
+    port = sock.getsockname()[1]
+    reporter = FailureReporter("Prefill rank 0", timeout=5.0)
+    _Recorder.seen.clear()
+    _Recorder.got.clear()
+    server = None
+    try:
+        reporter.report(f"http://127.0.0.1:{port}/v1/metaserver", "cmpl-b-0", "lost")
+        assert retrying.wait(10.0)  # the first attempt was refused
+        server = ThreadingHTTPServer(("127.0.0.1", port), _Recorder, bind_and_activate=False)
+        server.socket.close()
+        server.socket = sock  # the very port the report goes to, now listening
+        server.server_activate()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        assert _Recorder.got.wait(10.0)  # the retry, 0.5 s later, was heard
+        assert [b["request_id"] for _, b in _Recorder.seen] == ["cmpl-b-0"]
+    finally:
+        reporter.close(10.0)
+        logger.removeHandler(spy)
+        logger.setLevel(old_level)
+        if server is not None:
+            server.shutdown()
+        sock.close()
+    assert (reporter.sent, reporter.undelivered) == (1, 0)

@@ -6,15 +6,19 @@ Decode waits for KV that never comes until ``request_deadline`` (R1, 300 s by de
 while the client waits with it. The proxy passes its metaserver URL in Prefill's
 ``kv_transfer_params`` (``metaserver``); a report posted there ends the completion with an
 error naming the cause, and closing Decode's stream aborts the request there (vLLM frees its
-blocks). A report is advice: one attempt, off the caller's thread, and the deadline still
-covers a report that is lost.
+blocks). A report is advice, sent off the caller's thread: a transport error is retried
+with backoff for about half a minute (the link that lost Decode may have taken the proxy
+with it, and comes back), an HTTP answer is final, and the deadline still covers a report
+that is never heard.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import queue
 import threading
+import time
 
 from sfa_rd2h.runtime.metaserver import ProxyRequestError, report_kv_failure
 
@@ -23,6 +27,8 @@ log = logging.getLogger(__name__)
 #: Reports waiting for the thread; beyond this they are dropped with a warning (a Decode
 #: that vanished can abandon thousands of requests at once, and each report is advice).
 MAX_QUEUED = 4096
+#: Delays before each retry of a report that met a transport error (about 31 s in all).
+RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def handshake_hint(reason: str) -> str:
@@ -43,8 +49,11 @@ class FailureReporter:
         self._who = who
         self._timeout = timeout
         self._token = token
-        self._queue: queue.Queue[tuple[str, str, str] | None] = queue.Queue(MAX_QUEUED)
-        self._lock = threading.Lock()
+        # (due, seq, attempt, url, request_id, error), earliest due first
+        self._due: list[tuple[float, int, int, str, str, str]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed_at: float | None = None  # reports due by then still go out
         self._thread: threading.Thread | None = None
         self.sent = 0
         self.undelivered = 0
@@ -56,37 +65,68 @@ class FailureReporter:
         log.error("%s: request %s: %s", self._who, request_id, error)
         if not metaserver_url:
             return
-        with self._lock:
+        with self._cond:
+            if self._closed_at is not None:
+                return
+            if len(self._due) >= MAX_QUEUED:
+                self.dropped += 1
+                log.warning("%s: failure report of %s dropped (%d queued)", self._who,
+                            request_id, MAX_QUEUED)
+                return
+            self._push(time.monotonic(), 0, metaserver_url, request_id, error)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="rd2h-failure-report")
                 self._thread.start()
-        try:
-            self._queue.put_nowait((metaserver_url, request_id, error))
-        except queue.Full:
-            self.dropped += 1
-            log.warning("%s: failure report of %s dropped (%d queued)", self._who,
-                        request_id, MAX_QUEUED)
+
+    def _push(self, due: float, attempt: int, url: str, request_id: str, error: str) -> None:
+        heapq.heappush(self._due, (due, next(self._seq), attempt, url, request_id, error))
+        self._cond.notify()
+
+    def _next(self) -> tuple[int, str, str, str] | None:
+        """The next report that is due, waiting for it; None once closed and nothing that
+        was due at the close is left."""
+        with self._cond:
+            while True:
+                due = self._due[0][0] if self._due else None
+                if self._closed_at is not None and (due is None or due > self._closed_at):
+                    return None
+                if due is not None and due <= time.monotonic():
+                    return heapq.heappop(self._due)[2:]
+                self._cond.wait(None if due is None else due - time.monotonic())
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            url, request_id, error = item
+        while (item := self._next()) is not None:
+            attempt, url, request_id, error = item
             try:
                 report_kv_failure(url, request_id, error, reporter=self._who,
                                   timeout=self._timeout, token=self._token)
                 self.sent += 1
-            except (OSError, ProxyRequestError, ValueError) as exc:
+            except OSError as exc:
+                if attempt < len(RETRY_DELAYS_S) and self._closed_at is None:
+                    log.info("%s: failure report of %s to %s: %s (retrying)", self._who,
+                             request_id, url, exc)
+                    with self._cond:
+                        self._push(time.monotonic() + RETRY_DELAYS_S[attempt], attempt + 1,
+                                   url, request_id, error)
+                    continue
+                self._undelivered(request_id, url, exc)
+            except (ProxyRequestError, ValueError) as exc:
                 # 404: the proxy finished the completion already (Decode's answer won).
-                self.undelivered += 1
-                log.warning("%s: failure of %s not reported to %s: %s", self._who,
-                            request_id, url, exc)
+                self._undelivered(request_id, url, exc)
+
+    def _undelivered(self, request_id: str, url: str, exc: Exception) -> None:
+        self.undelivered += 1
+        log.warning("%s: failure of %s not reported to %s: %s", self._who, request_id, url,
+                    exc)
 
     def close(self, timeout: float) -> None:
-        with self._lock:
+        """Send what is due now, then stop; reports still waiting for a retry are dropped
+        (the process is going away, and with it the requests they are about)."""
+        with self._cond:
             thread = self._thread
+            if self._closed_at is None:
+                self._closed_at = time.monotonic()
+            self._cond.notify_all()
         if thread is not None:
-            try:
-                self._queue.put(None, timeout=timeout)
-            except queue.Full:
-                return  # the thread is a daemon; it goes with the process
             thread.join(timeout)
