@@ -118,3 +118,81 @@ def test_two_prefill_hosts_and_one_decode_through_the_proxys_round_robin(
     served = {j["prefill"] for j in jobs}
     assert served == {f"http://{lab[n].address}:{HTTP_PORT}" for n in ("prefilla", "prefillb")}
     assert all(j["outcome"] == "ok" for j in jobs), jobs
+
+
+# An address Decode owns (on its loopback device) that no other host has a route to, and
+# one that no host has at all.
+UNROUTED, NOWHERE = "10.99.0.1", "10.98.0.1"
+
+
+def _failure(url: str, prompt: list[int]) -> tuple[float, launch.CompletionError]:
+    t0 = time.monotonic()
+    try:
+        launch.complete(url, prompt, MAX_TOKENS, timeout=REQUEST_S)
+    except launch.CompletionError as exc:
+        return time.monotonic() - t0, exc
+    raise AssertionError(f"{url}: the completion succeeded")
+
+
+def test_misconfigured_addresses_are_told_not_hung(hosts, tmp_path: Path) -> None:  # noqa: F811
+    """Item 4: Decode's connector ``host`` set to an address Prefill cannot reach (S5 on
+    Prefill after ``handshake_timeout``, reported to the proxy), then a proxy advertised at
+    an address Decode cannot reach (C1): each request ends with an error that names the
+    address and the setting, long before any timeout, and both engines end holding nothing
+    (the aborted Decode request and Prefill's held blocks are freed)."""
+    lab = hosts("proxy", "prefill", "decode")
+    lab.run("decode", ["ip", "addr", "add", f"{UNROUTED}/32", "dev", "lo"], check=True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    model = launch.make_tiny_llama(tmp_path / "model", seed=0)
+    opts = launch.EngineOptions(model=str(model), max_num_batched_tokens=128)
+    binds = launch.cpu_binds(2)
+    engines: dict[str, launch.EngineServer] = {}
+    proxies: list[DisaggProxy] = []
+    try:
+        for i, name in enumerate(("prefill", "decode")):
+            kv_host = UNROUTED if name == "decode" else lab[name].address
+            engines[name] = launch.launch_engine(
+                name, opts, port=HTTP_PORT, log_dir=logs, host=lab[name].address,
+                cpu_bind=binds[i], netns=lab[name].netns,
+                kv_config=launch.kv_transfer_config(
+                    name, kv_port=KV_PORT, host=kv_host,
+                    extra={"transfer_backend": "mooncake", "handshake_timeout": 2.0}))
+        deadline = time.monotonic() + STARTUP_S
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: s.wait_healthy(deadline))
+
+        def serve(advertise: str | None) -> str:
+            """The proxy's URL at its own address (the advertised one may lead nowhere)."""
+            proxy = DisaggProxy([engines["prefill"].url], [engines["decode"].url],
+                                host=lab["proxy"].address, advertise_host=advertise,
+                                port=0, request_timeout_s=REQUEST_S, rendezvous_timeout_s=30)
+            proxies.append(proxy)
+            shown = in_netns(lab["proxy"].netns, lambda: proxy.start(timeout=30.0))
+            return f"http://{lab['proxy'].address}:{shown.rsplit(':', 1)[1]}"
+
+        url = serve(None)
+        took, exc = in_netns(lab["proxy"].netns, lambda: _failure(url, list(range(3, 40))))
+        assert exc.status == 502, exc
+        assert f"{UNROUTED}:{KV_PORT}" in exc.body and "MF_META not acknowledged" in exc.body
+        assert "`host`" in exc.body and "kv_connector_extra_config" in exc.body
+        assert took < 20.0, took  # handshake_timeout and one report, not request_deadline
+        print(f"unreachable Decode host: HTTP {exc.status} after {took:.1f}s")
+
+        # The proxy bound at its host's address but advertised at one Decode has no route to.
+        url = serve(NOWHERE)
+        took, exc = in_netns(lab["proxy"].netns, lambda: _failure(url, list(range(5, 30))))
+        assert exc.status in (500, 504), exc  # Decode gave up posting, or the proxy waiting
+        assert f"{NOWHERE}:" in exc.body and "--advertise-host" in exc.body, exc.body
+        assert took < 30.0 + 5.0, took  # within the rendezvous timeout
+        print(f"unreachable proxy address: HTTP {exc.status} after {took:.1f}s")
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
+                s, time.monotonic() + 60, interval=0.05))
+    finally:
+        for proxy in proxies:
+            proxy.close(5.0)
+        for server in engines.values():
+            server.terminate()
+        for server in engines.values():
+            server.stop()
