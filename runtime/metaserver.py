@@ -60,7 +60,11 @@ MAX_POLL_S = 30.0  # a long poll never holds a handler thread longer than this
 MAX_HANDLERS = 64  # concurrent client connections; more are answered 503 at once
 IO_TIMEOUT_S = 5.0  # one socket read or write of a client
 REQUEST_DEADLINE_S = 10.0  # a whole request beyond its long poll, however slowly it dribbles
-RENDEZVOUS_TIMEOUT_S = 2.0  # client: one rendezvous POST attempt (F1 retries on top)
+RENDEZVOUS_TIMEOUT_S = 2.0  # client: the first rendezvous POST attempt (F1 retries on top)
+# client: every attempt of one rendezvous POST together. Each retry waits twice as long as
+# the one before, within this: a proxy that is only slow (a loaded host) is heard by a
+# later attempt instead of being declared unreachable after six short ones.
+RENDEZVOUS_BUDGET_S = 30.0
 WORK_POLL_S = 10.0  # client: how long one long poll of a work queue may wait
 RESPONSE_SLACK_S = 5.0  # client: beyond a long poll's wait, for the answer to arrive
 FINISHED_TIMEOUT_S = 5.0  # client: one /v1/finished report
@@ -250,27 +254,40 @@ def post_rendezvous(
     timeout: float = RENDEZVOUS_TIMEOUT_S,
     sleep: Callable[[float], None] = time.sleep,
     token: str | None = None,
+    budget: float = RENDEZVOUS_BUDGET_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> int:
     """POST a rendezvous to the metaserver URL and return the HTTP status (F1).
 
     Transport errors (refused, reset, timeout, malformed response) are retried up to
     ``retries`` times, sleeping ``backoff * 2**k`` before retry ``k``; then
-    :class:`MetaserverUnreachable` is raised. Any HTTP response, 4xx/5xx included, counts as
-    delivered (old proxies answer errors for requests they did accept) and is returned.
+    :class:`MetaserverUnreachable` is raised. Attempt ``k`` waits up to ``timeout * 2**k``
+    for its answer, cut to what is left of ``budget``: the time the attempts took together
+    (a refused connect takes none; the backoff sleeps are not counted). Any HTTP response,
+    4xx/5xx included, counts as delivered (old proxies answer errors for requests they did
+    accept) and is returned.
     """
     _check_url(url)
     if retries < 0 or backoff < 0 or timeout <= 0:
         raise ValueError("retries and backoff must be >= 0 and timeout > 0")
+    if budget < timeout:
+        raise ValueError(f"budget={budget} is below the first attempt's timeout={timeout}")
     if not isinstance(rendezvous, Rendezvous):
         raise TypeError(f"expected a Rendezvous, got {type(rendezvous).__name__}")
     body = json.dumps(rendezvous.to_json()).encode()
     last: BaseException | None = None
+    left, attempts = budget, 0
     for attempt in range(retries + 1):
+        if left <= 0:
+            break
         if attempt:
             sleep(backoff * 2 ** (attempt - 1))
+        wait = min(timeout * 2 ** attempt, left)
+        attempts += 1
+        started = clock()
         req = urllib.request.Request(url, data=body, method="POST", headers=_auth_headers(token))
         try:
-            with _OPENER.open(req, timeout=timeout) as resp:
+            with _OPENER.open(req, timeout=wait) as resp:
                 resp.read()
                 return int(resp.status)
         except urllib.error.HTTPError as exc:
@@ -283,9 +300,10 @@ def post_rendezvous(
             # URLError wraps connect-time failures; a timeout or reset while reading the
             # response surfaces as a bare OSError / HTTPException.
             last = exc
+            left -= clock() - started
             log.info("metaserver %s attempt %d failed: %s", url, attempt + 1, exc)
     assert last is not None
-    raise MetaserverUnreachable(url, retries + 1, last) from last
+    raise MetaserverUnreachable(url, attempts, last) from last
 
 
 def _call(url: str, body: Mapping[str, Any] | None, timeout: float,

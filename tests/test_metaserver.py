@@ -1657,3 +1657,35 @@ def test_a_client_refused_as_busy_gets_its_whole_503_even_if_close_cuts_the_clie
             assert proxy.waiting.acquire(timeout=WAIT)  # being served: its poll waits
             assert _exchange(proxy.url, _HEALTH) == _BUSY
             assert _until_eof(held) == b""  # cut
+
+
+def test_f1_each_attempt_waits_twice_as_long_within_the_budget(monkeypatch) -> None:
+    """A proxy that is only slow is heard by a later, longer attempt; one that never
+    answers is given up on once the attempts' waits fill the budget."""
+    from sfa_rd2h.runtime import metaserver
+
+    waits: list[float] = []
+    now = [0.0]
+
+    class Silent:
+        """Every attempt times out, taking the whole time it was given."""
+
+        def open(self, req, timeout: float):  # noqa: ANN001
+            waits.append(timeout)
+            now[0] += timeout
+            raise TimeoutError("timed out")
+
+    monkeypatch.setattr(metaserver, "_OPENER", Silent())
+    kw = {"sleep": lambda _: None, "clock": lambda: now[0]}
+    with pytest.raises(MetaserverUnreachable, match="after 4 attempt"):
+        post_rendezvous("http://127.0.0.1:1/v1/metaserver", _rdv("r-0"), retries=8,
+                        timeout=2.0, budget=20.0, **kw)
+    assert waits == [2.0, 4.0, 8.0, 6.0]  # doubling, the last one cut to the budget
+    waits.clear()
+    with pytest.raises(MetaserverUnreachable, match="after 3 attempt"):  # retries bound too
+        post_rendezvous("http://127.0.0.1:1/v1/metaserver", _rdv("r-0"), retries=2,
+                        timeout=1.0, budget=100.0, **kw)
+    assert waits == [1.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match="budget"):
+        post_rendezvous("http://127.0.0.1:1/v1/metaserver", _rdv("r-0"), timeout=3.0,
+                        budget=2.0)
