@@ -14,7 +14,10 @@ Everything that talks to an engine runs inside a namespace that reaches it
 
 from __future__ import annotations
 
+import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -196,3 +199,121 @@ def test_misconfigured_addresses_are_told_not_hung(hosts, tmp_path: Path) -> Non
             server.terminate()
         for server in engines.values():
             server.stop()
+
+
+class _TappedProxy(DisaggProxy):
+    """The proxy, telling the test when its ``n``-th Prefill call went out: the moment to
+    cut a link with several transfers in flight."""
+
+    def __init__(self, *args, cut_at: int, **kw) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kw)
+        self.cut_at, self.calls, self.nth_call = cut_at, 0, threading.Event()
+
+    async def _prefill(self, job) -> None:  # noqa: ANN001
+        self.calls += 1
+        if self.calls == self.cut_at:
+            self.nth_call.set()
+        await super()._prefill(job)
+
+
+def _burst(url: str, prompts: list[list[int]]) -> list[tuple[object, float]]:
+    """Every prompt at once; per prompt its tokens or its CompletionError, and when it
+    ended (monotonic)."""
+
+    def one(prompt: list[int]) -> tuple[object, float]:
+        try:
+            got: object = launch.complete(url, prompt, MAX_TOKENS, timeout=REQUEST_S)[0]
+        except launch.CompletionError as exc:
+            got = exc
+        return got, time.monotonic()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # started in the proxy's host: they stay
+        return list(pool.map(one, prompts))
+
+
+def test_a_link_cut_through_vllm_fails_its_victims_quickly_and_then_heals(
+        hosts, tmp_path: Path) -> None:  # noqa: F811
+    """Item 6 through vLLM: the Prefill host's link goes down while a burst of chunked
+    prompts is being transferred. Shorter than ``reply_timeout``: TCP rides it out, every
+    output equals the reference. Longer: Prefill gives up on its reader (S5) and reports
+    the victims (S7), which get an HTTP error within seconds of the link's return, not at
+    the request deadline; every other output equals the reference, the prompts sent after
+    it all do, and both engines end holding nothing (R5: no slot, no block)."""
+    lab = hosts("proxy", "prefill", "decode")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    model = launch.make_tiny_llama(tmp_path / "model", seed=0)
+    opts = launch.EngineOptions(model=str(model), max_model_len=2048,
+                                max_num_batched_tokens=128)
+    rng = random.Random(7)
+    bursts = [[[rng.randrange(3, 500) for _ in range(rng.randrange(900, 1400))]
+               for _ in range(8)] for _ in range(2)]
+    after = [[rng.randrange(3, 500) for _ in range(rng.randrange(40, 300))] for _ in range(4)]
+    everything = [p for b in bursts for p in b] + after
+    binds = launch.cpu_binds(3)
+    reference = launch.ReferenceRun(opts, [tuple(p) for p in everything], MAX_TOKENS, logs,
+                                    cpu_bind=binds[-1])
+    timeouts = {"reply_timeout": 10.0, "handshake_timeout": 5.0, "layer_send_timeout": 20.0,
+                "read_budget": 8.0, "destination_wait": 5.0, "request_deadline": 120.0}
+    engines: dict[str, launch.EngineServer] = {}
+    proxies: list[DisaggProxy] = []
+    try:
+        for i, name in enumerate(("prefill", "decode")):
+            addr = lab[name].address
+            engines[name] = launch.launch_engine(
+                name, opts, port=HTTP_PORT, log_dir=logs, host=addr, cpu_bind=binds[i],
+                netns=lab[name].netns,
+                kv_config=launch.kv_transfer_config(
+                    name, kv_port=KV_PORT, host=addr,
+                    extra={"transfer_backend": "mooncake", **timeouts}))
+        deadline = time.monotonic() + STARTUP_S
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: s.wait_healthy(deadline))
+        want = dict(zip(map(tuple, everything), reference.result(timeout=STARTUP_S),
+                        strict=True))
+
+        def cut_during_burst(prompts: list[list[int]], down_s: float
+                             ) -> tuple[list[tuple[object, float]], float]:
+            proxy = _TappedProxy([engines["prefill"].url], [engines["decode"].url],
+                                 host=lab["proxy"].address, port=0, cut_at=3,
+                                 request_timeout_s=REQUEST_S)
+            proxies.append(proxy)
+            url = in_netns(lab["proxy"].netns, lambda: proxy.start(timeout=30.0))
+            with ThreadPoolExecutor(1) as pool:
+                done = pool.submit(in_netns, lab["proxy"].netns, lambda: _burst(url, prompts))
+                assert proxy.nth_call.wait(REQUEST_S)
+                lab.cut("prefill")
+                restored = time.monotonic() + down_s
+                time.sleep(down_s)  # the fault itself: the link stays down this long
+                lab.restore("prefill")
+                return done.result(timeout=REQUEST_S + 60), restored
+
+        short, _ = cut_during_burst(bursts[0], 1.5)
+        assert [got for got, _ in short] == [want[tuple(p)] for p in bursts[0]]
+
+        long, restored = cut_during_burst(bursts[1], 14.0)
+        victims = [(got, end) for got, end in long if isinstance(got, launch.CompletionError)]
+        for (got, end), prompt in zip(long, bursts[1], strict=True):
+            if not isinstance(got, launch.CompletionError):
+                assert got == want[tuple(prompt)]
+                continue
+            assert got.status == 502 and "will not reach decode" in got.body, got
+            assert "no reply within 10.0s" in got.body or "lost" in got.body, got.body
+            assert end - restored < 40.0, end - restored  # the retried report, not R1
+        print(f"long cut: {len(victims)} of {len(long)} failed, "
+              f"{[round(end - restored, 1) for _, end in victims]} s after the restore")
+
+        url = f"http://{lab['proxy'].address}:{proxies[-1].url.rsplit(':', 1)[1]}"
+        outputs = in_netns(lab["proxy"].netns, lambda: _burst(url, after))
+        assert [got for got, _ in outputs] == [want[tuple(p)] for p in after]
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
+                s, time.monotonic() + 90, interval=0.05))
+    finally:
+        for proxy in proxies:
+            proxy.close(5.0)
+        for server in engines.values():
+            server.terminate()
+        for server in engines.values():
+            server.stop()
+        reference.kill()
