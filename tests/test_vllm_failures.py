@@ -263,3 +263,32 @@ def test_a_report_that_meets_a_transport_error_is_retried_until_heard():
             server.shutdown()
         sock.close()
     assert (reporter.sent, reporter.undelivered) == (1, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decodes_reported_cause_replaces_vllms_bare_error(stream):  # F2
+    """vLLM answers a failed KV load with "Internal server error"; the connector's report of
+    the cause, racing that answer, is what the client reads."""
+    b = Backends().start()
+    b.decode_mode = "read_failed"
+    assert b.prefill is not None and b.decode is not None
+    proxy = DisaggProxy([b.prefill.url], [b.decode.url])
+    proxy.start()
+    try:
+        body = {"model": "m", "prompt": [4, 5, 6], "max_tokens": 2, "stream": stream}
+        if stream:
+            with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=20,
+                              trust_env=False) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]" and len(lines) == 2
+            message = json.loads(lines[0][6:])["error"]["message"]
+        else:
+            r = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=20,
+                           trust_env=False)
+            assert r.status_code == 500
+            message = r.json()["error"]["message"]
+            assert "(decode answered 500: no KV)" in message  # Decode's own words kept
+        assert "serves readers on this host only" in message and "Decode rank 0" in message
+    finally:
+        proxy.close()
+        b.close()

@@ -73,7 +73,8 @@ def _set(event: threading.Event) -> threading.Event:
 class Backends:
     """Shared state of one fake Decode and one fake Prefill; tests set the ``*_mode``s."""
 
-    decode_mode: str = "ok"  # ok | no_rendezvous | error
+    # ok | no_rendezvous | error | read_failed (reports its cause, then vLLM's bare error)
+    decode_mode: str = "ok"
     prefill_mode: str = "ok"  # ok | error | lost (200, no KV, then a failure report)
     rendezvous_gap_s: float = 0.0  # between a prompt list's posts (staggered allocation)
     post_internal_ids: bool = False  # post vLLM's internal ids (with the -<8 hex> suffix)
@@ -181,7 +182,7 @@ class Backends:
         ids = [f"cmpl-{xrid}-{i}" for i in range(len(prompts))]
         if self.post_internal_ids:
             ids = [f"{rid}-{uuid.uuid4().hex[:8]}" for rid in ids]
-        if self.decode_mode == "ok":
+        if self.decode_mode in ("ok", "read_failed"):
             for i, rid in enumerate(ids):
                 if i and self.rendezvous_gap_s:
                     await asyncio.sleep(self.rendezvous_gap_s)
@@ -193,6 +194,12 @@ class Backends:
                                  remote_tp_size=1, remote_cached_tokens=cached)
                 status = await asyncio.to_thread(post_rendezvous, params["metaserver"], rdv)
                 self.posted.append((rid, status))
+        if self.decode_mode == "read_failed":
+            # The connector's report races vLLM's own answer, as on a real Decode.
+            self.reporter.report(params["metaserver"], ids[0], "Decode rank 0 could not "
+                                 "receive the KV: F2: the host engine serves readers on "
+                                 "this host only")
+            return None
         for i in range(len(ids)):
             landed = await asyncio.to_thread(self.event(f"cmpl-{xrid}-{i}").wait,
                                              self.decode_wait_s)

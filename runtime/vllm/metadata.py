@@ -32,6 +32,7 @@ class RecvRequest:
     main_block_ids: list[int]  # every block of the request, by position
     indexer_block_ids: list[int]
     first_block: int  # positions before it were a local prefix hit, never written
+    metaserver: str = ""  # where a failure to receive it is reported (C1's URL)
 
 
 @dataclass

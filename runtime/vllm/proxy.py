@@ -79,6 +79,10 @@ KEEPALIVE_EXPIRY_S = 2.0
 MODELS_TIMEOUT_S = 10.0  # the /v1/models lookup forwarded to Decode
 GRACEFUL_SHUTDOWN_S = 5  # uvicorn's own graceful-shutdown bound (close() lowers it to fit)
 REAP_SLACK_S = 1.0  # a job nobody iterates is reaped this long after its deadline
+#: How long a Decode error waits for the connector's own report of its cause: vLLM answers
+#: a failed KV load with a bare "Internal server error", and the report (a few ms behind
+#: it, from the connector's thread) says what failed and what to change.
+REPORT_GRACE_S = 1.0
 
 MAX_BODY_BYTES = 16 * 1024 * 1024  # token-id prompt lists are large; a request body is capped
 MAX_ERROR_BODY = 64 * 1024  # how much of a backend's error body is forwarded
@@ -519,6 +523,12 @@ class DisaggProxy:
                                              "BadGateway")).encode()
             finally:
                 await resp.aclose()
+            reported = await self._reported_cause(job, resp.status_code)
+            if reported is not None:
+                message = (f"{reported.message} (decode answered {resp.status_code}: "
+                           f"{_error_message(data)})")
+                self._close_job(job, message, cancel_prefill=True)
+                return _error(resp.status_code, message, reported.err_type)
             job.fail(resp.status_code, f"decode answered {resp.status_code}")
             self._close_job(job, f"decode {resp.status_code}", cancel_prefill=True)
             if resp.status_code >= 500 and not any(job.parsed):
@@ -536,6 +546,16 @@ class DisaggProxy:
         streaming = bool(job.body.get("stream"))
         return StreamingResponse(self._forward(job, resp, streaming), status_code=200,
                                  media_type=resp.headers.get("content-type"))
+
+    async def _reported_cause(self, job: _Job, status: int) -> _Failure | None:
+        """After Decode answered ``status`` >= 500 for a dispatched completion: the cause a
+        process reported (``/v1/metaserver/failed``), waiting ``REPORT_GRACE_S`` for it."""
+        if status < 500 or not job.dispatched:
+            return None
+        if not job.failure.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(job.failure), REPORT_GRACE_S)
+        return job.failure.result() if job.failure.done() else None
 
     async def _forward(self, job: _Job, resp: httpx.Response,
                        streaming: bool) -> AsyncIterator[bytes]:
@@ -565,6 +585,14 @@ class DisaggProxy:
                         outcome = f"decode stream broke: {exc}"
                         yield _sse_error(502, outcome, "BadGateway")
                         break
+                    if not first and chunk.startswith(b'data: {"error"'):
+                        # vLLM's bare error event for a failed load: prefer the reported cause
+                        reported = await self._reported_cause(job, 500)
+                        if reported is not None:
+                            outcome = reported.message
+                            yield _sse_error(reported.status, reported.message,
+                                             reported.err_type)
+                            break
                     first = True
                     yield chunk
                     continue

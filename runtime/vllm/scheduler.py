@@ -175,7 +175,8 @@ class ConsumerScheduler:
         url = params.get("metaserver") or self.cfg.metaserver
         self._meta.recv.append(RecvRequest(
             req_id, ext, _group_ids(ids, self.cfg.main_kv_group),
-            _group_ids(ids, self.cfg.indexer_kv_group), local_hit // self.block_size))
+            _group_ids(ids, self.cfg.indexer_kv_group), local_hit // self.block_size,
+            url or ""))
         self._waiting[req_id] = ext
         self._unreported.add(req_id)
         if not url:

@@ -50,7 +50,7 @@ from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import LayoutError, ProtocolError
 from sfa_rd2h.spec.layout import DestLayout
 from sfa_rd2h.statemachines.cores.actions import RequestFinished
-from sfa_rd2h.statemachines.cores.decode import DecodeCore
+from sfa_rd2h.statemachines.cores.decode import ANOTHER_RANK_FAILED, DecodeCore
 from sfa_rd2h.statemachines.cores.prefill import Abandoned, LayerSendError, PrefillCore
 from sfa_rd2h.statemachines.engine import Observer
 from sfa_rd2h.statemachines.trace import Tracer
@@ -607,6 +607,11 @@ class ConsumerWorker:
         # the agreement round (a collective over the TP group at TP > 1) is skipped.
         self._receiving = True
         self._idle = False  # the step's Rd2hMetadata.idle
+        # req -> the metaserver URL it came with: a read that failed here is reported there
+        # (F2), so the client's error names the cause, not vLLM's "Internal server error"
+        self._report_to: dict[str, str] = {}
+        self.reporter = FailureReporter(f"Decode rank {self.rank}",
+                                        timeout=cfg.metaserver_timeout)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = collect_layers(kv_caches, self.kv_cache_config, self.cfg)
@@ -668,6 +673,8 @@ class ConsumerWorker:
             self._by_ext[recv.ext_id] = recv.req_id
             self._ext_of[recv.req_id] = recv.ext_id
             self._blocks[recv.req_id] = blocks
+            if recv.metaserver:
+                self._report_to[recv.req_id] = recv.metaserver
         for req_id, reason in [*meta.fail_recv.items(), *meta.cancel_recv.items()]:
             ext = self._ext_of.get(req_id)
             known = ext is not None or req_id in self._unregistered
@@ -705,6 +712,7 @@ class ConsumerWorker:
             del self._ext_of[req_id]
             finished.add(req_id)
             blocks = self._blocks.pop(req_id)
+            report_to = self._report_to.pop(req_id, None)
             cancelled = req_id in self._cancelled
             self._cancelled.discard(req_id)
             if done.ok:
@@ -716,6 +724,10 @@ class ConsumerWorker:
                 continue  # vLLM already finished it; its blocks are freed, not recomputed
             failed.add(req_id)
             self._invalid.update(blocks.tolist())  # R5: the load's blocks, once
+            if done.error and done.error != ANOTHER_RANK_FAILED:  # that rank tells its own
+                self.reporter.report(report_to, done.ext_req_id,
+                                     f"Decode rank {self.rank} could not receive the KV: "
+                                     f"{done.error}")
             log.warning("Decode rank %d: request %s failed: %s", self.rank, req_id, done.error)
         return finished, failed
 
@@ -749,3 +761,4 @@ class ConsumerWorker:
     def shutdown(self) -> None:
         _close_in_order(self, ("worker", "group", "engine", "tracer"), self.cfg.close_timeout,
                         f"Decode rank {self.rank}")
+        self.reporter.close(self.cfg.close_timeout)

@@ -45,6 +45,9 @@ from sfa_rd2h.statemachines.cores.actions import (
 from sfa_rd2h.statemachines.engine import Driver, Observer
 from sfa_rd2h.statemachines.models import LayerRead, RequestStatus
 
+#: R1: the error of a request that failed on another rank of the TP group, not this one.
+ANOTHER_RANK_FAILED = "R1: another Decode TP rank failed"
+
 
 @dataclass(eq=False)
 class DecodeRequest:
@@ -214,7 +217,7 @@ class DecodeCore:
         self._forget(ext_req_id)
         ok = req.status.state == "succeeded"
         _remember(self.terminal, ext_req_id, ok, self.limits.tombstones)
-        error = req.status.error or (None if ok else "R1: another Decode TP rank failed")
+        error = req.status.error or (None if ok else ANOTHER_RANK_FAILED)
         return [RequestFinished(ext_req_id, ok, error)]
 
     def _maybe_ready(self, req: DecodeRequest) -> list[Action]:
