@@ -100,3 +100,33 @@ def test_a_killed_run_still_reports_the_runs_that_finished(tmp_path: Path) -> No
     assert report["interrupted"] is True
     assert report["modules"]["tests/test_interop.py"]["runs"] > 0
     assert len(report["invocations"]) == 1
+
+
+def test_a_check_spread_over_sittings_resumes_and_counts_one_commit(tmp_path: Path) -> None:
+    """``--resume`` runs only what the earlier JSON lacks, adds to its tallies, and refuses
+    a file of another commit (a release check counts one commit's runs)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "stress.json"
+    base = [sys.executable, str(ROOT / ".ci" / "stress"), "--full", "0", "--hogs", "0",
+            "--no-shm-noise", "--modules", "test_control_decode_loop"]
+    first = subprocess.run([*base, "--repeat", "1", "--json", str(out)], capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    cases = json.loads(out.read_text())["modules"]["tests/test_control_decode_loop.py"]["cases"]
+    second = subprocess.run([*base, "--repeat", "2", "--resume", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resuming" in second.stdout and "1 run(s) already done" in second.stdout
+    assert second.stdout.count("tests/test_control_decode_loop.py#") == 1  # only #2 ran
+    report = json.loads(out.read_text())
+    assert [i["run"] for i in report["invocations"]] == [
+        "tests/test_control_decode_loop.py#1", "tests/test_control_decode_loop.py#2"]
+    assert report["modules"]["tests/test_control_decode_loop.py"]["runs"] == 2 * cases
+    assert len(report["sessions"]) == 2
+    report["commit"] = "0000000"
+    out.write_text(json.dumps(report))
+    other = subprocess.run([*base, "--repeat", "3", "--resume", str(out)],
+                           capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "one commit's runs only" in other.stdout
