@@ -54,6 +54,7 @@ from sfa_rd2h.statemachines.cores.actions import (
 )
 from sfa_rd2h.statemachines.cores.decode import DecodeCore
 from sfa_rd2h.statemachines.cores.prefill import Abandoned, PrefillCore
+from sfa_rd2h.statemachines.models import ReadFailed
 from sfa_rd2h.statemachines.trace import REPLY_KINDS, Tracer, summarize
 
 log = logging.getLogger(__name__)
@@ -1012,9 +1013,13 @@ class DecodeWorker(_Worker):
             else:
                 self.stats.failed_reads += 1
         if not ok:
+            reason = getattr(self.engine, "last_error", "")
             self._warn.warn("read", "decode rank %d: batched read from %s failed (%s): %s",
-                        self.core.d_rank, a.session, result,
-                        getattr(self.engine, "last_error", ""))
+                        self.core.d_rank, a.session, result, reason)
+            if isinstance(result, int) and reason:
+                # The number alone says little to whoever reads the request's error (the
+                # client, through the connector's report): carry the engine's words.
+                result = ReadFailed(result, reason)
         return result
 
 

@@ -13,6 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class ReadFailed(Exception):
+    """A batched read's non-zero result with the engine's reason for it (F2): what a
+    runtime hands ``read_result`` when it knows more than the number."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
 @dataclass(eq=False, slots=True)
 class SlotGate:
     """prefill_slot model: who wrote the slot last and who still reads it (S1-S5)."""
@@ -98,7 +108,9 @@ class LayerRead:
         self.error = error
 
     def record_result(self, result: int | BaseException, now: float, *_: object) -> None:
-        if isinstance(result, BaseException):
+        if isinstance(result, ReadFailed):
+            self.error = f"F2: batched read returned {result.code}: {result.reason}"
+        elif isinstance(result, BaseException):
             self.error = f"F2: transfer engine raised {type(result).__name__}: {result}"
         elif self.result_ok(result):
             self.error = (f"S6: the read finished {now - self.received_at:.3g}s after its "

@@ -12,6 +12,7 @@ from sfa_rd2h.statemachines.models import (
     MODEL_CLASSES,
     LayerRead,
     PeerSession,
+    ReadFailed,
     RequestStatus,
     SlotGate,
 )
@@ -113,6 +114,12 @@ def test_layer_read_paths():  # S3, C1, F2
     d.fire(reading, "accept")
     assert d.fire(reading, "read_completed", -5, 0.0) == "failed"
     assert reading.error == "F2: batched read returned -5"
+    told = d.start(LayerRead("c/3", 3, n_reads=1))
+    d.fire(told, "accept")  # the runtime knew why: the engine's words travel with the code
+    assert d.fire(told, "read_completed", ReadFailed(-5, "PEER_GONE: serves readers on this "
+                                                         "host only"), 0.0) == "failed"
+    assert told.error == "F2: batched read returned -5: PEER_GONE: serves readers on this " \
+                         "host only"
 
 
 def test_a_read_past_its_budget_fails_even_when_the_engine_says_ok():  # S6, S5

@@ -317,3 +317,49 @@ def test_a_link_cut_through_vllm_fails_its_victims_quickly_and_then_heals(
         for server in engines.values():
             server.stop()
         reference.kill()
+
+
+def test_the_host_engines_refusal_across_hosts_reaches_the_client(
+        hosts, tmp_path: Path) -> None:  # noqa: F811
+    """Item 5: with ``transfer_backend: host`` on two hosts, Prefill's registry refuses the
+    reader (it copies between processes of one machine only); Decode's read fails (F2), its
+    connector reports the reason, and the client's error carries it whole, naming the
+    engines that work across hosts (before: vLLM's bare "Internal server error")."""
+    lab = hosts("proxy", "prefill", "decode")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    model = launch.make_tiny_llama(tmp_path / "model", seed=0)
+    opts = launch.EngineOptions(model=str(model), max_num_batched_tokens=128)
+    binds = launch.cpu_binds(2)
+    engines: dict[str, launch.EngineServer] = {}
+    proxy: DisaggProxy | None = None
+    try:
+        for i, name in enumerate(("prefill", "decode")):
+            addr = lab[name].address
+            engines[name] = launch.launch_engine(
+                name, opts, port=HTTP_PORT, log_dir=logs, host=addr, cpu_bind=binds[i],
+                netns=lab[name].netns,
+                kv_config=launch.kv_transfer_config(name, kv_port=KV_PORT, host=addr))
+        deadline = time.monotonic() + STARTUP_S
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: s.wait_healthy(deadline))
+        proxy = DisaggProxy([engines["prefill"].url], [engines["decode"].url],
+                            host=lab["proxy"].address, port=PROXY_PORT,
+                            request_timeout_s=REQUEST_S)
+        url = in_netns(lab["proxy"].netns, lambda: proxy.start(timeout=30.0))
+        took, exc = in_netns(lab["proxy"].netns, lambda: _failure(url, list(range(7, 50))))
+        for words in ("serves readers on this host only", "mooncake", "memfabric",
+                      "Decode rank 0"):
+            assert words in exc.body, exc.body
+        assert took < 20.0, took
+        print(f"host engine across hosts: HTTP {exc.status} after {took:.1f}s")
+        for name, server in engines.items():
+            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
+                s, time.monotonic() + 60, interval=0.05))
+    finally:
+        if proxy is not None:
+            proxy.close(5.0)
+        for server in engines.values():
+            server.terminate()
+        for server in engines.values():
+            server.stop()
