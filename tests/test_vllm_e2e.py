@@ -279,7 +279,8 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
         watcher.join()
 
     # The victim's error reaches the client through its proxy: Decode's vLLM fails the
-    # request (kv_load_failure_policy "fail") and the proxy forwards the status.
+    # request (kv_load_failure_policy "fail"), its connector reports why, and the proxy
+    # answers Decode's status with that cause (F2).
     error = results[0]
     assert isinstance(error, launch.CompletionError), (error, env.dep.log_tails())
     assert error.status == 500, (
@@ -307,6 +308,8 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     launch.wait_drained(env.dep.servers[FAILING], time.monotonic() + 30)
     launch.wait_drained(env.dep.decode, time.monotonic() + 30)
     (job,) = _jobs(env.dep.proxies[FAILING].url, 1, time.monotonic() + 10)
-    assert job["outcome"] == "decode 500", job
+    assert job["outcome"].startswith("the KV of ") and "F2: batched read returned" in \
+        job["outcome"] and "(decode answered 500" in job["outcome"], job
+    assert "Decode rank 0 could not receive the KV: F2" in error.body, error.body
     assert "KV load failure" in env.dep.servers[FAILING].log_text()
     env.figures["failure_case"] = {"failing_decode": f, "prefill": p}
