@@ -341,6 +341,15 @@ class ReadPlan:
             object.__setattr__(self, name, arr)
 
     @classmethod
+    def of_uint64(cls, local: np.ndarray, peer: np.ndarray, lengths: np.ndarray) -> ReadPlan:
+        """A plan of three 1-D uint64 arrays of one length, taken as they are: the planner
+        builds them so, and the conversions of ``__post_init__`` would only copy."""
+        plan = object.__new__(cls)
+        for name, arr in (("local_addrs", local), ("peer_addrs", peer), ("lengths", lengths)):
+            object.__setattr__(plan, name, arr)
+        return plan
+
+    @classmethod
     def empty(cls) -> ReadPlan:
         z = np.zeros(0, dtype=np.uint64)
         return cls(z, z, z)
@@ -440,7 +449,13 @@ def _coalesced_plan(s: _SrcTensors, dst: DestLayout,
     """The plan ``ReadPlan.coalesced`` would make of the per-block descriptors of ``groups``
     (tensor after tensor), built from the runs' heads only, in place: no per-block
     descriptor is built to be merged, no part built to be copied into the whole."""
-    runs = [(tensors, *_runs(sid, did)) for tensors, sid, did in groups]
+    return _plan_from_runs(s, dst, [(tensors, *_runs(sid, did)) for tensors, sid, did in groups])
+
+
+def _plan_from_runs(s: _SrcTensors, dst: DestLayout,
+                    runs: list[tuple[range, np.ndarray, np.ndarray, np.ndarray]]) -> ReadPlan:
+    """:func:`_coalesced_plan` from each group's runs: (tensors, source ids where a run
+    starts, destination ids where it starts, run lengths in blocks)."""
     total = sum(len(tensors) * heads.size for tensors, heads, _, _ in runs)
     local, peer, lengths = (np.empty(total, dtype=np.uint64) for _ in range(3))
     bounds = []  # where one tensor's descriptors end and the next one's start
@@ -450,22 +465,157 @@ def _coalesced_plan(s: _SrcTensors, dst: DestLayout,
         nbytes, dst_base, src_base = _group_consts(s, dst, tensors)
         # one row per tensor of the group: (ids x its block bytes) + its base
         loc = local[at:end].reshape(-1, k)
-        np.multiply(did.astype(np.uint64), nbytes, out=loc)
+        np.multiply(did.astype(np.uint64, copy=False), nbytes, out=loc)
         loc += dst_base
         src = peer[at:end].reshape(-1, k)
-        np.multiply(sid.astype(np.uint64), nbytes, out=src)
+        np.multiply(sid.astype(np.uint64, copy=False), nbytes, out=src)
         src += src_base
         np.multiply(count, nbytes, out=lengths[at:end].reshape(-1, k))
         bounds += range(at or k, end, k)
         at = end
     # Across tensors (and groups) a descriptor may still continue the one before it, when
     # the regions happen to abut: checked at each boundary, merged like coalesced() merges.
-    merged = [b for b in bounds
-              if local[b] == local[b - 1] + lengths[b - 1]
-              and peer[b] == peer[b - 1] + lengths[b - 1]]
+    # Read as Python ints in one take per array: numpy scalars cost ~1 us per operation.
+    if bounds:
+        ends = [b - 1 for b in bounds]
+        loc_b, loc_e = local[bounds].tolist(), local[ends].tolist()
+        peer_b, peer_e = peer[bounds].tolist(), peer[ends].tolist()
+        len_e = lengths[ends].tolist()
+        merged = any(lb == le + n and pb == pe + n for lb, le, pb, pe, n
+                     in zip(loc_b, loc_e, peer_b, peer_e, len_e, strict=True))
+    else:
+        merged = False
     if not merged:
-        return ReadPlan(local, peer, lengths)
-    return ReadPlan(local, peer, lengths).coalesced()
+        return ReadPlan.of_uint64(local, peer, lengths)
+    return ReadPlan.of_uint64(local, peer, lengths).coalesced()
+
+
+@dataclass(frozen=True)
+class _GroupLimits:
+    """What bounds one group's ids in a layer: its tensors, the smallest destination
+    capacity among them, and the largest source and destination ids whose last byte is
+    still addressable in 64 bits on every tensor of the group."""
+
+    tensors: range
+    capacity: int
+    src_top: int
+    dst_top: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_limits(s: _SrcTensors, dst: DestLayout) -> tuple[_GroupLimits, _GroupLimits | None]:
+    """Main's and (if the layer has one) the indexer's :class:`_GroupLimits`. The address
+    bound is the one ``_check_group_addrs`` tests, solved for the id once per layout pair:
+    ``base + (id + 1) * nbytes - 1 <= 2**64 - 1`` holds exactly for
+    ``id <= (2**64 - base) // nbytes - 1``."""
+    def limits(tensors: range) -> _GroupLimits:
+        def top(bases: tuple[int, ...]) -> int:
+            return min((_U64_MAX + 1 - bases[t]) // s.ext_block_bytes[t] - 1 for t in tensors)
+        return _GroupLimits(tensors, min(dst.num_blocks[t] for t in tensors),
+                            top(s.base_addrs), top(dst.base_addrs))
+    main = limits(range(s.main_tensor_count))
+    if not s.has_indexer:
+        return main, None
+    return main, limits(range(s.main_tensor_count, len(s.base_addrs)))
+
+
+def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
+                      dst_ids: np.ndarray, split: int) -> ReadPlan:
+    """:func:`plan_layer_reads` of a layer whose main and indexer pairs come joined: main's
+    are ``[0, split)`` of ``src_ids`` and ``dst_ids``, the indexer's the rest (L1, C4).
+
+    The same plan and the same refusals as ``plan_layer_reads(src, dst, src_ids[:split],
+    dst_ids[:split], src_ids[split:], dst_ids[split:])``, in about half the numpy calls:
+    Decode plans every layer of every READY, and on a few thousand ids each call's fixed
+    cost is most of its time. Both groups are range-checked, proved distinct and cut into
+    runs in one pass each; any check that fails hands the pairs to ``plan_layer_reads``,
+    which words the refusal (so the first error found is the one it would name first)."""
+    s = _checked_pair(src, dst)
+    main, indexer = _group_limits(s, dst)
+    if indexer is None:  # a layer without indexer reads none of those ids (legacy entries)
+        src_ids, dst_ids = src_ids[:split], dst_ids[:split]
+    n = src_ids.size
+
+    def refuse() -> ReadPlan:
+        return plan_layer_reads(src, dst, src_ids[:split], dst_ids[:split],
+                                src_ids[split:], dst_ids[split:])
+
+    if (not isinstance(src_ids, np.ndarray) or not isinstance(dst_ids, np.ndarray)
+            or src_ids.ndim != 1 or dst_ids.ndim != 1 or dst_ids.size != n
+            or not 0 <= split <= n
+            or src_ids.dtype.kind not in "iu" or dst_ids.dtype.kind not in "iu"
+            or src_ids.dtype.itemsize == 8 and src_ids.dtype.kind == "u"
+            or dst_ids.dtype.itemsize == 8 and dst_ids.dtype.kind == "u"):
+        return refuse()
+    if n == 0:
+        return ReadPlan.empty()
+    groups = [g for g, size in ((main, split), (indexer, n - split)) if size]
+    both = len(groups) == 2
+    firsts = (0, split) if both else (0,)
+    d_lo = np.minimum.reduceat(dst_ids, firsts).tolist()
+    d_hi = np.maximum.reduceat(dst_ids, firsts).tolist()
+    s_hi = np.maximum.reduceat(src_ids, firsts).tolist()
+    s_lo = np.minimum.reduceat(src_ids, firsts).tolist() if src_ids.dtype.kind == "i" \
+        else [0] * len(groups)
+    for g, dlo, dhi, slo, shi in zip(groups, d_lo, d_hi, s_lo, s_hi, strict=True):
+        if dlo < 0 or dhi >= g.capacity or dhi > g.dst_top or slo < 0 or shi > g.src_top:
+            return refuse()
+    if n > 1 and not _joined_distinct(dst_ids, split if both else 0,
+                                      [g.capacity for g in groups]):
+        return refuse()
+    # Narrow ids step by one without wrapping only below their type's maximum (a READY's
+    # ids may all fit uint8, and 255 + 1 must not read as 0).
+    if src_ids.dtype.itemsize < 8 and max(s_hi) >= _top_of(src_ids.dtype):
+        src_ids = src_ids.astype(np.int64)
+    if dst_ids.dtype.itemsize < 8 and max(d_hi) >= _top_of(dst_ids.dtype):
+        dst_ids = dst_ids.astype(np.int64)
+    # Runs (see _runs) of both groups at once; a run never crosses from main into indexer.
+    starts = np.empty(n, dtype=bool)
+    starts[0] = True
+    np.not_equal(src_ids[1:], src_ids[:-1] + 1, out=starts[1:])
+    starts[1:] |= dst_ids[1:] != dst_ids[:-1] + 1
+    if both:
+        starts[split] = True
+    heads = np.flatnonzero(starts)
+    count = np.empty(heads.size, dtype=np.uint64)
+    count[:-1] = heads[1:] - heads[:-1]
+    count[-1] = n - heads[-1]
+    sid, did = src_ids[heads], dst_ids[heads]
+    if not both:
+        return _plan_from_runs(s, dst, [(groups[0].tensors, sid, did, count)])
+    k = int(np.count_nonzero(starts[:split]))
+    return _plan_from_runs(s, dst, [(main.tensors, sid[:k], did[:k], count[:k]),
+                                    (indexer.tensors, sid[k:], did[k:], count[k:])])
+
+
+@functools.lru_cache(maxsize=16)
+def _top_of(dtype: np.dtype) -> int:
+    """The largest value of an integer dtype (``np.iinfo`` costs microseconds a call)."""
+    return int(np.iinfo(dtype).max)
+
+
+def _joined_distinct(ids: np.ndarray, split: int, capacities: list[int]) -> bool:
+    """Whether each group of ``ids`` (one group, or ``[0, split)`` and the rest when
+    ``split``) is pairwise distinct, every id already within its group's capacity:
+    :func:`_distinct` for both groups at once. Increasing groups prove it in one
+    comparison pass; otherwise one bitmap holds both, the indexer's part starting past
+    main's capacity, so a main id and an indexer id never meet."""
+    steps = ids[1:] > ids[:-1]
+    if split:
+        steps[split - 1] = True  # the groups are independent: no step across them
+    if steps.all():
+        return True
+    if sum(capacities) > 64 * ids.size:
+        bounds = (0, split, ids.size) if split else (0, ids.size)
+        return all(_distinct(ids[a:b], cap) for a, b, cap
+                   in zip(bounds[:-1], bounds[1:], capacities, strict=True) if b - a > 1)
+    seen = np.zeros(sum(capacities), dtype=bool)
+    if split:
+        seen[ids[:split]] = True
+        seen[capacities[0]:][ids[split:]] = True  # a view: no shifted copy, no overflow
+    else:
+        seen[ids] = True
+    return int(np.count_nonzero(seen)) == ids.size
 
 
 def plan_layer_reads(

@@ -14,6 +14,7 @@ from sfa_rd2h.spec.layout import (
     DestLayout,
     ReadPlan,
     concat,
+    plan_joined_reads,
     plan_layer_reads,
     validate_dest_range,
     validate_layer,
@@ -699,3 +700,73 @@ def test_a_repeated_destination_is_found_whichever_way_it_is_proved(  # L1
     distinct = sorted(set(ids))
     for order in (distinct, distinct[::-1]):
         assert validate_dest_range(order, capacity, "main").tolist() == order
+
+
+def _plan_or_refusal(fn, *args) -> tuple[list[int], list[int], list[int]] | str:  # type: ignore[no-untyped-def]
+    try:
+        plan = fn(*args)
+    except LayoutError as exc:
+        return str(exc)
+    return plan.local_addrs.tolist(), plan.peer_addrs.tolist(), plan.lengths.tolist()
+
+
+_ID_TYPES = (np.uint8, np.uint16, np.uint32, np.int32, np.int64)
+
+
+@given(data=st.data(), indexer=st.sampled_from(["none", "indexer", "indexer+scale"]),
+       abut=st.booleans(), high=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_joined_planning_is_plan_layer_reads_plan_for_plan_and_refusal_for_refusal(  # L1, C4
+        data: st.DataObject, indexer: str, abut: bool, high: bool) -> None:
+    """The Decode core plans main and indexer joined in one array: the same descriptors as
+    planning the two groups apart, and for ids out of range, repeated, negative, of
+    addresses past 64 bits, or of narrow types at their maximum, the same first refusal."""
+    cap = data.draw(st.sampled_from([4, 40, 300]))
+    src, dst = make_pair(main_bytes=(4, 4), indexer_bytes=None if indexer == "none" else 2,
+                         scale_bytes=1 if indexer == "indexer+scale" else None,
+                         num_blocks=cap)
+    if abut or high:  # regions back to back, so runs may merge across tensors; or near 2**64
+        top = (1 << 64) - cap * 4 - 16 if high else 0x1000
+        ends = np.cumsum([0, *(cap * b for b in dst.block_bytes)])
+        bases = tuple(top - int(ends[-1]) + int(e) if high else top + int(e) for e in ends[:-1])
+        src = Meta(bases, src.block_len, src.block_size_scale, src.tensor_group_idx, 2,
+                   src.has_indexer)
+        dst = DestLayout(bases, dst.block_bytes, dst.num_blocks, 2, dst.has_indexer,
+                         dst.has_scale)
+
+    def ids(size: int) -> list[int]:
+        return data.draw(st.lists(st.one_of(st.integers(0, cap - 1), st.integers(-2, cap + 300)),
+                                  min_size=size, max_size=size))
+
+    n_main, n_idx = data.draw(st.integers(0, 12)), data.draw(st.integers(0, 12))
+    if data.draw(st.booleans()):  # mostly valid: distinct destinations in range
+        order = data.draw(st.permutations(range(cap)))
+        d_main, d_idx = list(order[:n_main]), list(order[-n_idx:] if n_idx else [])
+        s_main, s_idx = [abs(x) for x in ids(n_main)], [abs(x) for x in ids(n_idx)]
+    else:
+        d_main, d_idx, s_main, s_idx = ids(n_main), ids(n_idx), ids(n_main), ids(n_idx)
+    src_type = data.draw(st.sampled_from(_ID_TYPES))
+    dst_type = data.draw(st.sampled_from(_ID_TYPES))
+
+    def typed(values: list[int], kind: type) -> np.ndarray:
+        info = np.iinfo(kind)
+        fits = all(info.min <= v <= info.max for v in values)
+        return np.array(values, dtype=kind if fits else np.int64)
+
+    sid = typed(s_main + s_idx, src_type)
+    did = typed(d_main + d_idx, dst_type)
+    joined = _plan_or_refusal(plan_joined_reads, src, dst, sid, did, n_main)
+    apart = _plan_or_refusal(plan_layer_reads, src, dst, sid[:n_main], did[:n_main],
+                             sid[n_main:], did[n_main:])
+    assert joined == apart
+
+
+def test_joined_planning_does_not_step_narrow_ids_past_their_maximum() -> None:  # C4
+    """A READY whose ids all fit one byte arrives as uint8: source 255 then 0 are no run,
+    however the destinations continue."""
+    src, dst = make_pair(indexer_bytes=None, scale_bytes=None, num_blocks=300)
+    plan = plan_joined_reads(src, dst, np.array([255, 0], dtype=np.uint8),
+                             np.array([7, 8], dtype=np.uint8), 2)
+    assert plan.lengths.tolist() == [4096] * 4
+    assert plan.peer_addrs.tolist() == plan_layer_reads(src, dst, [255, 0], [7, 8], [], []) \
+        .peer_addrs.tolist()

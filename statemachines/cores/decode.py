@@ -27,7 +27,7 @@ import numpy as np
 
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
-from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_layer_reads, validate_layer
+from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_joined_reads, validate_layer
 from sfa_rd2h.spec.timing import (
     DESTINATION_WAIT_S,
     READ_BUDGET_S,
@@ -382,6 +382,11 @@ class DecodeCore:
               indexer_start: np.ndarray, member: int, ratio: int) -> Cuts:
         """T6: what this rank reads of each entry of a layer (entries carry the chunk's
         full lists)."""
+        if ratio == 1 and member == 0 and self.d_tp == 1 and self.d_rank == 0:
+            # One piece of one: decode_cuts' arithmetic would only hand back every list
+            # whole (T2: member 0 reads main, T5: one Decode rank, T3: one contributor).
+            nothing = np.zeros_like(n_main)
+            return Cuts(nothing, n_main, nothing, n_indexer)
         return decode_cuts(n_main, n_indexer, main_start, indexer_start, member, ratio,
                            self.d_rank, self.d_tp, main_shared=self.main_dest_shared)
 
@@ -389,53 +394,41 @@ class DecodeCore:
                     msg: wire.ReadReadyBatch) -> ReadPlan:
         """One plan for the whole layer: the live entries are cut to this rank's share in
         one numpy pass (T6), their ranges checked against the registered destinations
-        (L1), and the block ids of every entry joined so the layout is checked once and
-        numpy builds and coalesces all descriptors in one pass."""
+        (L1), and the block ids of every entry, main then indexer, joined into one array
+        so the layout is checked once and numpy checks, builds and coalesces all
+        descriptors in one pass (C4)."""
         if not live:
             return _EMPTY_PLAN
         member, ratio = msg.group_member_idx, msg.tp_ratio
         reqs = [self.requests[e.ext_req_id] for e in live]
-        n = len(live)
-        # one row per entry: its counts, destination starts and registered blocks
-        rows = np.fromiter(itertools.chain.from_iterable(
-            (len(e.p_main_block_ids), e.main_dest_start, r.main_dest.size,
-             len(e.p_indexer_block_ids), e.indexer_dest_start, r.indexer_dest.size)
-            for e, r in zip(live, reqs, strict=True)), np.int64, 6 * n).reshape(n, 6)
-        if not dst.has_indexer:  # a layer without indexer reads none, wherever it starts
-            rows[:, 3:] = 0
-        n_main, main_start, main_size, n_idx, idx_start, idx_size = rows.T
-        cuts = self._cuts(n_main, n_idx, main_start, idx_start, member, ratio)
-        # L1, in the order a reader expects the first error: per entry, the whole main
-        # range (member 0 reads main, so all of it must fit before any piece is read),
-        # this rank's piece of it, then the same two for the indexer. One row per check,
-        # so the four are tested in a handful of array operations.
-        has_idx = n_idx > 0
-        starts = np.stack((main_start, main_start + cuts.main_lo,
-                           idx_start, idx_start + cuts.indexer_lo))
-        ends = np.stack((main_start + n_main, main_start + cuts.main_hi,
-                         idx_start + n_idx, idx_start + cuts.indexer_hi))
-        bad = (starts < 0) | (ends > np.stack((main_size, main_size, idx_size, idx_size)))
-        if member != 0:
-            bad[0] = False
-        bad[2:] &= has_idx
-        if bad.any():
-            entry = int(np.flatnonzero(bad.any(axis=0))[0])
-            check = int(np.flatnonzero(bad[:, entry])[0])
-            what = "main" if check < 2 else "indexer"
-            lo, hi = int(starts[check, entry]), int(ends[check, entry])
-            size = main_size if check < 2 else idx_size
-            raise ProtocolError(f"L1: {what} destination range [{lo}, {hi}) outside the "
-                                f"{int(size[entry])} registered blocks")
-        main_src, main_dst = _gather([e.p_main_block_ids for e in live], n_main,
-                                     [r.main_dest for r in reqs], cuts.main_lo, cuts.main_hi,
-                                     main_start, main_size)
-        if has_idx.any():  # an entry without indexer blocks has the empty piece (0, 0)
-            idx_src, idx_dst = _gather([e.p_indexer_block_ids for e in live], n_idx,
-                                       [r.indexer_dest for r in reqs], cuts.indexer_lo,
-                                       cuts.indexer_hi, idx_start, idx_size)
-        else:
-            idx_src = idx_dst = np.zeros(0, dtype=np.int64)
-        return plan_layer_reads(src, dst, main_src, main_dst, idx_src, idx_dst)
+        # One list per field, each turned into an array by one call: on a few dozen
+        # entries that is cheaper than one row per entry.
+        main = _Lists([e.p_main_block_ids for e in live], [r.main_dest for r in reqs],
+                      [e.main_dest_start for e in live])
+        if dst.has_indexer:
+            idx = _Lists([e.p_indexer_block_ids for e in live], [r.indexer_dest for r in reqs],
+                         [e.indexer_dest_start for e in live])
+        else:  # a layer without indexer reads none, wherever it starts
+            idx = _Lists([], [], [0] * len(live), counts=[0] * len(live),
+                         sizes=[0] * len(live))
+        cuts = self._cuts(main.n, idx.n, main.start, idx.start, member, ratio)
+        main_whole, idx_whole = not cuts.main_lo.any(), not cuts.indexer_lo.any()
+        # L1 first as one test that every range ends inside its destination and no piece
+        # starts before it (starts are >= 0 by ReadReq's own checks), which every valid
+        # layer passes; only a layer that fails it is checked range by range, for the
+        # refusal's words and their order.
+        main_end = cuts.main_hi if member or cuts.main_hi is main.n else \
+            np.maximum(cuts.main_hi, main.n)
+        idx_end = idx.n if cuts.indexer_hi is idx.n else np.maximum(cuts.indexer_hi, idx.n)
+        if ((main.start + main_end > main.size).any() or (idx.start + idx_end > idx.size).any()
+                or not main_whole and cuts.main_lo.min() < 0
+                or not idx_whole and cuts.indexer_lo.min() < 0):
+            _check_ranges(main, idx, cuts, member)
+        main_src, main_dst = main.pieces(cuts.main_lo, cuts.main_hi, main_whole)
+        idx_src, idx_dst = idx.pieces(cuts.indexer_lo, cuts.indexer_hi, idx_whole)
+        split = sum(map(len, main_src))
+        return plan_joined_reads(src, dst, np.concatenate(main_src + idx_src),
+                                 np.concatenate(main_dst + idx_dst), split)
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
@@ -651,19 +644,59 @@ def _remember(table: dict, key: str, value: object, limit: int) -> None:
         del table[next(iter(table))]
 
 
-def _gather(id_lists: list[np.ndarray], counts: np.ndarray, dests: list[np.ndarray],
-            lo: np.ndarray, hi: np.ndarray, dest_start: np.ndarray,
-            dest_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Entry ``i``'s source ids (``counts[i]`` of them) at positions ``[lo[i], hi[i])``,
-    all entries joined into one array, and the destination blocks they land in:
-    ``dests[i]`` (``dest_sizes[i]`` of them) from ``dest_start[i] + lo[i]`` on. The ranges
-    were checked against ``dests`` (L1)."""
-    whole = not lo.any() and np.array_equal(hi, counts)  # every piece is its whole list
-    if whole and not dest_start.any() and np.array_equal(counts, dest_sizes):
-        return np.concatenate(id_lists), np.concatenate(dests)  # ... and fills its dest
-    los, his, ats = lo.tolist(), hi.tolist(), (dest_start + lo).tolist()
-    src = np.concatenate(id_lists) if whole else np.concatenate(
-        [ids[a:b] for ids, a, b in zip(id_lists, los, his, strict=True)])
-    dst = np.concatenate([d[at:at + b - a] for d, at, a, b
-                          in zip(dests, ats, los, his, strict=True)])
-    return src, dst
+class _Lists:
+    """One group (main or indexer) of a layer's live entries: per entry its source ids, the
+    request's registered destination blocks and the entry's destination start, as lists;
+    the counts, starts and destination sizes also as int64 arrays."""
+
+    def __init__(self, ids: list[np.ndarray], dests: list[np.ndarray], starts: list[int],
+                 *, counts: list[int] | None = None, sizes: list[int] | None = None) -> None:
+        self.ids, self.dests, self.starts = ids, dests, starts
+        self.counts = list(map(len, ids)) if counts is None else counts
+        self.sizes = list(map(len, dests)) if sizes is None else sizes
+        self.n = np.array(self.counts, dtype=np.int64)
+        self.start = np.array(starts, dtype=np.int64)
+        self.size = np.array(self.sizes, dtype=np.int64)
+
+    def pieces(self, lo: np.ndarray, hi: np.ndarray,
+               from_zero: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Entry ``i``'s source ids at positions ``[lo[i], hi[i])`` and the destination
+        blocks they land in, from ``starts[i] + lo[i]`` on. The ranges were checked
+        against the destinations (L1); ``from_zero``: every ``lo`` is 0."""
+        if not self.ids:
+            return [], []
+        his = hi.tolist()
+        if from_zero and his == self.counts:  # every piece is its whole list ...
+            if not any(self.starts) and self.counts == self.sizes:
+                return self.ids, self.dests  # ... and fills its destination
+            return self.ids, [d[at:at + c] for d, at, c
+                              in zip(self.dests, self.starts, self.counts, strict=True)]
+        los = [0] * len(his) if from_zero else lo.tolist()
+        src = [ids[a:b] for ids, a, b in zip(self.ids, los, his, strict=True)]
+        dst = [d[at + a:at + b] for d, at, a, b
+               in zip(self.dests, self.starts, los, his, strict=True)]
+        return src, dst
+
+
+def _check_ranges(main: _Lists, idx: _Lists, cuts: Cuts, member: int) -> None:
+    """L1, in the order a reader expects the first error: per entry, the whole main range
+    (member 0 reads main, so all of it must fit before any piece is read), this rank's
+    piece of it, then the same two for the indexer. One row per check, so the four are
+    tested in a handful of array operations."""
+    has_idx = idx.n > 0
+    starts = np.stack((main.start, main.start + cuts.main_lo,
+                       idx.start, idx.start + cuts.indexer_lo))
+    ends = np.stack((main.start + main.n, main.start + cuts.main_hi,
+                     idx.start + idx.n, idx.start + cuts.indexer_hi))
+    bad = (starts < 0) | (ends > np.stack((main.size, main.size, idx.size, idx.size)))
+    if member != 0:
+        bad[0] = False
+    bad[2:] &= has_idx
+    if bad.any():
+        entry = int(np.flatnonzero(bad.any(axis=0))[0])
+        check = int(np.flatnonzero(bad[:, entry])[0])
+        what = "main" if check < 2 else "indexer"
+        lo, hi = int(starts[check, entry]), int(ends[check, entry])
+        size = main.size if check < 2 else idx.size
+        raise ProtocolError(f"L1: {what} destination range [{lo}, {hi}) outside the "
+                            f"{int(size[entry])} registered blocks")
