@@ -528,7 +528,8 @@ class DisaggProxy:
                 message = (f"{reported.message} (decode answered {resp.status_code}: "
                            f"{_error_message(data)})")
                 self._close_job(job, message, cancel_prefill=True)
-                return _error(resp.status_code, message, reported.err_type)
+                # the reported status, as when the report overtakes Decode's answer
+                return _error(reported.status, message, reported.err_type)
             job.fail(resp.status_code, f"decode answered {resp.status_code}")
             self._close_job(job, f"decode {resp.status_code}", cancel_prefill=True)
             if resp.status_code >= 500 and not any(job.parsed):
