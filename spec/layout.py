@@ -458,7 +458,6 @@ def _plan_from_runs(s: _SrcTensors, dst: DestLayout,
     starts, destination ids where it starts, run lengths in blocks)."""
     total = sum(len(tensors) * heads.size for tensors, heads, _, _ in runs)
     local, peer, lengths = (np.empty(total, dtype=np.uint64) for _ in range(3))
-    bounds = []  # where one tensor's descriptors end and the next one's start
     at = 0
     for tensors, sid, did, count in runs:
         k, end = count.size, at + len(tensors) * count.size
@@ -471,23 +470,29 @@ def _plan_from_runs(s: _SrcTensors, dst: DestLayout,
         np.multiply(sid.astype(np.uint64, copy=False), nbytes, out=src)
         src += src_base
         np.multiply(count, nbytes, out=lengths[at:end].reshape(-1, k))
-        bounds += range(at or k, end, k)
         at = end
-    # Across tensors (and groups) a descriptor may still continue the one before it, when
-    # the regions happen to abut: checked at each boundary, merged like coalesced() merges.
-    # Read as Python ints in one take per array: numpy scalars cost ~1 us per operation.
-    if bounds:
-        ends = [b - 1 for b in bounds]
-        loc_b, loc_e = local[bounds].tolist(), local[ends].tolist()
-        peer_b, peer_e = peer[bounds].tolist(), peer[ends].tolist()
-        len_e = lengths[ends].tolist()
-        merged = any(lb == le + n and pb == pe + n for lb, le, pb, pe, n
-                     in zip(loc_b, loc_e, peer_b, peer_e, len_e, strict=True))
-    else:
-        merged = False
-    if not merged:
+    if not _abutting(s, dst, runs):
         return ReadPlan.of_uint64(local, peer, lengths)
     return ReadPlan.of_uint64(local, peer, lengths).coalesced()
+
+
+def _abutting(s: _SrcTensors, dst: DestLayout,
+              runs: list[tuple[range, np.ndarray, np.ndarray, np.ndarray]]) -> bool:
+    """Whether, across tensors (and groups), a descriptor continues the one before it on
+    both sides, which happens where the regions abut: then ``coalesced()`` merges them.
+    Only each tensor's first and last descriptor can, so they are worked out from the
+    runs' ends in Python ints (numpy scalars cost about a microsecond per operation)."""
+    ends: tuple[int, int] | None = None  # where the previous tensor's last descriptor ends
+    for tensors, sid, did, count in runs:
+        first_s, first_d = int(sid[0]), int(did[0])
+        last = int(count[-1])
+        last_s, last_d = int(sid[-1]) + last, int(did[-1]) + last
+        for t in tensors:
+            nbytes, d_base, s_base = s.ext_block_bytes[t], dst.base_addrs[t], s.base_addrs[t]
+            if ends == (d_base + first_d * nbytes, s_base + first_s * nbytes):
+                return True
+            ends = (d_base + last_d * nbytes, s_base + last_s * nbytes)
+    return False
 
 
 @dataclass(frozen=True)
@@ -580,7 +585,7 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
     count = np.empty(heads.size, dtype=np.uint64)
     count[:-1] = heads[1:] - heads[:-1]
     count[-1] = n - heads[-1]
-    sid, did = src_ids[heads], dst_ids[heads]
+    sid, did = src_ids[heads].astype(np.uint64), dst_ids[heads].astype(np.uint64)
     if not both:
         return _plan_from_runs(s, dst, [(groups[0].tensors, sid, did, count)])
     k = int(np.count_nonzero(starts[:split]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import operator
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -157,6 +158,7 @@ class DecodeCore:
         self._inflight: dict[int, ServedReady] = {}
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
+        self._last_joined: tuple[list[np.ndarray], np.ndarray] = ([], _NO_BLOCKS)
         self.stats = DecodeStats()
 
     # ----------------------------------------------------------------- requests (C1)
@@ -167,8 +169,8 @@ class DecodeCore:
             raise ProtocolError(f"C1: request {ext_req_id!r} is already registered")
         status = self._requests.start(RequestStatus(ext_req_id))
         req = self.requests[ext_req_id] = DecodeRequest(
-            status, np.asarray(main_dest, dtype=np.int64),
-            np.asarray(indexer_dest, dtype=np.int64), now + self.request_deadline)
+            status, _frozen_ids(main_dest), _frozen_ids(indexer_dest),
+            now + self.request_deadline)
         heapq.heappush(self._deadlines, (req.deadline, next(self._serial), "request", ext_req_id))
         actions: list[Action] = []
         early = self._failed_unregistered.pop(ext_req_id, None)
@@ -312,7 +314,8 @@ class DecodeCore:
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
         # T6: an entry with both lists empty reads nothing, so it waits for no destinations
-        missing = frozenset(
+        known = self.requests.__contains__
+        missing = frozenset() if all(map(known, map(_EXT_ID, msg.read_reqs))) else frozenset(
             e.ext_req_id for e in msg.read_reqs
             if (len(e.p_main_block_ids) or len(e.p_indexer_block_ids))
             and e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
@@ -428,7 +431,19 @@ class DecodeCore:
         idx_src, idx_dst = idx.pieces(cuts.indexer_lo, cuts.indexer_hi, idx_whole)
         split = sum(map(len, main_src))
         return plan_joined_reads(src, dst, np.concatenate(main_src + idx_src),
-                                 np.concatenate(main_dst + idx_dst), split)
+                                 self._joined(main_dst + idx_dst), split)
+
+    def _joined(self, dests: list[np.ndarray]) -> np.ndarray:
+        """``np.concatenate(dests)``, remembered for the last list of whole destination
+        arrays: every layer of a step serves the same requests, so from the second layer
+        on the same arrays (read-only since registration) are joined again."""
+        last, joined = self._last_joined
+        if len(last) == len(dests) and all(map(operator.is_, last, dests)):
+            return joined
+        joined = np.concatenate(dests)
+        joined.flags.writeable = False
+        self._last_joined = (dests, joined)
+        return joined
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
@@ -447,9 +462,10 @@ class DecodeCore:
         # names was read when the original came, and its slot may hold other KV since (S1).
         replayed = {e for e in msg.done_ext_ids if (r := self.requests.get(e)) is not None
                     and member in r.status.finals} if msg.done_ext_ids else ()
+        get, is_live = self.requests.get, self._is_live
         for entry in msg.read_reqs:
-            req = self.requests.get(entry.ext_req_id)
-            if req is not None and self._is_live(req) and entry.ext_req_id not in replayed:
+            req = get(entry.ext_req_id)
+            if req is not None and is_live(req) and entry.ext_req_id not in replayed:
                 if req.ratio is None:
                     req.ratio = msg.tp_ratio
                 elif self._ratio_conflict(req, msg):
@@ -480,15 +496,15 @@ class DecodeCore:
             plan = self._plan_layer(src, dst, live, msg)
         except ProtocolError as exc:
             return actions + self._reject(ready, str(exc))
-        ready.live = tuple(e.ext_req_id for e in live)
+        ready.live = tuple(map(_EXT_ID, live))
         ready.read.n_reads = len(plan)
         self._reads.fire(ready.read, "accept")
         if ready.read.state == "done":
             return actions + self._finish(ready)
         read_id = next(self._read_ids)
         self._inflight[read_id] = ready
-        for ext in ready.live:
-            self.requests[ext].inflight += 1
+        for req in map(self.requests.__getitem__, ready.live):
+            req.inflight += 1
         return actions + [IssueRead(read_id, meta.p_session, plan)]
 
     def read_result(self, read_id: int, result: int | BaseException,
@@ -499,8 +515,7 @@ class DecodeCore:
         ready = self._inflight.pop(read_id, None)
         if ready is None:
             raise ProtocolError(f"C4: result for unknown read {read_id}")
-        for ext in ready.live:
-            req = self.requests.get(ext)
+        for req in map(self.requests.get, ready.live):
             if req is not None:
                 req.inflight -= 1
         self._reads.fire(ready.read, "read_completed", self._transfer_result(result), now)
@@ -526,8 +541,7 @@ class DecodeCore:
                                     *self._final_signal(req, msg))
                 actions += self._maybe_ready(req)
             # a request whose last read just landed may now be ready for agreement
-            for ext in ready.live:
-                req = self.requests.get(ext)
+            for ext, req in zip(ready.live, map(self.requests.get, ready.live), strict=True):
                 if (req is not None and req.status.state != "registered"
                         and ext not in msg.done_ext_ids):
                     actions += self._maybe_ready(req)
@@ -621,6 +635,9 @@ class DecodeCore:
 
 
 _OVERFLOW_BITS = 1 << 20
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+_NO_BLOCKS.flags.writeable = False
+_EXT_ID = operator.attrgetter("ext_req_id")
 # A layer with nothing to read plans nothing; its arrays are empty, so one plan serves all.
 _EMPTY_PLAN = ReadPlan.empty()
 
@@ -642,6 +659,14 @@ def _remember(table: dict, key: str, value: object, limit: int) -> None:
     table[key] = value
     while len(table) > limit:
         del table[next(iter(table))]
+
+
+def _frozen_ids(ids: Sequence[int]) -> np.ndarray:
+    """A request's destination blocks as the core's own read-only int64 copy: no caller
+    can change them under a read, and an array seen again holds the same blocks."""
+    arr = np.array(ids, dtype=np.int64)
+    arr.flags.writeable = False
+    return arr
 
 
 class _Lists:
