@@ -525,7 +525,7 @@ def _group_limits(s: _SrcTensors, dst: DestLayout) -> tuple[_GroupLimits, _Group
 
 
 def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
-                      dst_ids: np.ndarray, split: int) -> ReadPlan:
+                      dst_ids: np.ndarray, split: int, *, distinct: bool = False) -> ReadPlan:
     """:func:`plan_layer_reads` of a layer whose main and indexer pairs come joined: main's
     are ``[0, split)`` of ``src_ids`` and ``dst_ids``, the indexer's the rest (L1, C4).
 
@@ -534,7 +534,9 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
     Decode plans every layer of every READY, and on a few thousand ids each call's fixed
     cost is most of its time. Both groups are range-checked, proved distinct and cut into
     runs in one pass each; any check that fails hands the pairs to ``plan_layer_reads``,
-    which words the refusal (so the first error found is the one it would name first)."""
+    which words the refusal (so the first error found is the one it would name first).
+    ``distinct``: the caller knows each group's destination ids to be pairwise distinct
+    (a plan of these very ids, split alike, passed before), so that proof is skipped."""
     s = _checked_pair(src, dst)
     main, indexer = _group_limits(s, dst)
     if indexer is None:  # a layer without indexer reads none of those ids (legacy entries)
@@ -565,7 +567,7 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
     for g, dlo, dhi, slo, shi in zip(groups, d_lo, d_hi, s_lo, s_hi, strict=True):
         if dlo < 0 or dhi >= g.capacity or dhi > g.dst_top or slo < 0 or shi > g.src_top:
             return refuse()
-    if n > 1 and not _joined_distinct(dst_ids, split if both else 0,
+    if n > 1 and not distinct and not _joined_distinct(dst_ids, split if both else 0,
                                       [g.capacity for g in groups]):
         return refuse()
     # Narrow ids step by one without wrapping only below their type's maximum (a READY's

@@ -158,7 +158,9 @@ class DecodeCore:
         self._inflight: dict[int, ServedReady] = {}
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
-        self._last_joined: tuple[list[np.ndarray], np.ndarray] = ([], _NO_BLOCKS)
+        # the destinations last planned, joined, and the split they were proved distinct at
+        self._last_joined: tuple[list[np.ndarray], np.ndarray, int | None] = (
+            [], _NO_BLOCKS, None)
         self.stats = DecodeStats()
 
     # ----------------------------------------------------------------- requests (C1)
@@ -388,7 +390,7 @@ class DecodeCore:
         if ratio == 1 and member == 0 and self.d_tp == 1 and self.d_rank == 0:
             # One piece of one: decode_cuts' arithmetic would only hand back every list
             # whole (T2: member 0 reads main, T5: one Decode rank, T3: one contributor).
-            nothing = np.zeros_like(n_main)
+            nothing = np.zeros(n_main.size, dtype=np.int64)
             return Cuts(nothing, n_main, nothing, n_indexer)
         return decode_cuts(n_main, n_indexer, main_start, indexer_start, member, ratio,
                            self.d_rank, self.d_tp, main_shared=self.main_dest_shared)
@@ -416,34 +418,29 @@ class DecodeCore:
                          sizes=[0] * len(live))
         cuts = self._cuts(main.n, idx.n, main.start, idx.start, member, ratio)
         main_whole, idx_whole = not cuts.main_lo.any(), not cuts.indexer_lo.any()
-        # L1 first as one test that every range ends inside its destination and no piece
-        # starts before it (starts are >= 0 by ReadReq's own checks), which every valid
-        # layer passes; only a layer that fails it is checked range by range, for the
-        # refusal's words and their order.
-        main_end = cuts.main_hi if member or cuts.main_hi is main.n else \
-            np.maximum(cuts.main_hi, main.n)
-        idx_end = idx.n if cuts.indexer_hi is idx.n else np.maximum(cuts.indexer_hi, idx.n)
-        if ((main.start + main_end > main.size).any() or (idx.start + idx_end > idx.size).any()
-                or not main_whole and cuts.main_lo.min() < 0
-                or not idx_whole and cuts.indexer_lo.min() < 0):
+        # L1 first as one test per group that every range ends inside its destination and
+        # no piece starts before it (starts are >= 0 by ReadReq's own checks), which every
+        # valid layer passes; only a layer that fails it is checked range by range, for
+        # the refusal's words and their order. Member 0 reads main, so all of main's range
+        # must fit (T2); the indexer's whole range must fit for every member.
+        if (main.outside(cuts.main_lo, cuts.main_hi, main_whole, whole_range=member == 0)
+                or idx.outside(cuts.indexer_lo, cuts.indexer_hi, idx_whole, whole_range=True)):
             _check_ranges(main, idx, cuts, member)
         main_src, main_dst = main.pieces(cuts.main_lo, cuts.main_hi, main_whole)
         idx_src, idx_dst = idx.pieces(cuts.indexer_lo, cuts.indexer_hi, idx_whole)
         split = sum(map(len, main_src))
-        return plan_joined_reads(src, dst, np.concatenate(main_src + idx_src),
-                                 self._joined(main_dst + idx_dst), split)
-
-    def _joined(self, dests: list[np.ndarray]) -> np.ndarray:
-        """``np.concatenate(dests)``, remembered for the last list of whole destination
-        arrays: every layer of a step serves the same requests, so from the second layer
-        on the same arrays (read-only since registration) are joined again."""
-        last, joined = self._last_joined
-        if len(last) == len(dests) and all(map(operator.is_, last, dests)):
-            return joined
-        joined = np.concatenate(dests)
-        joined.flags.writeable = False
-        self._last_joined = (dests, joined)
-        return joined
+        dests = main_dst + idx_dst
+        last, joined, proven = self._last_joined
+        if len(last) != len(dests) or not all(map(operator.is_, last, dests)):
+            joined, proven = np.concatenate(dests), None
+            joined.flags.writeable = False
+        plan = plan_joined_reads(src, dst, np.concatenate(main_src + idx_src), joined, split,
+                                 distinct=proven == split)
+        # Every layer of a step serves the same requests: from the second layer on, the
+        # same whole destination arrays (read-only since registration) are not joined
+        # again, nor proved distinct again (L1) for the same main/indexer split.
+        self._last_joined = (dests, joined, split)
+        return plan
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
@@ -672,7 +669,8 @@ def _frozen_ids(ids: Sequence[int]) -> np.ndarray:
 class _Lists:
     """One group (main or indexer) of a layer's live entries: per entry its source ids, the
     request's registered destination blocks and the entry's destination start, as lists;
-    the counts, starts and destination sizes also as int64 arrays."""
+    the counts and starts also as int64 arrays (the cut takes them), the destination sizes
+    only when a range has to be checked against them."""
 
     def __init__(self, ids: list[np.ndarray], dests: list[np.ndarray], starts: list[int],
                  *, counts: list[int] | None = None, sizes: list[int] | None = None) -> None:
@@ -680,8 +678,26 @@ class _Lists:
         self.counts = list(map(len, ids)) if counts is None else counts
         self.sizes = list(map(len, dests)) if sizes is None else sizes
         self.n = np.array(self.counts, dtype=np.int64)
-        self.start = np.array(starts, dtype=np.int64)
-        self.size = np.array(self.sizes, dtype=np.int64)
+        self.from_zero = not any(starts)
+        self.start = np.zeros(len(starts), dtype=np.int64) if self.from_zero else \
+            np.array(starts, dtype=np.int64)
+        # every list starts its destination and is as long: it fits, read whole or cut
+        self.fills = self.from_zero and self.counts == self.sizes
+
+    @functools.cached_property
+    def size(self) -> np.ndarray:
+        return np.array(self.sizes, dtype=np.int64)
+
+    def outside(self, lo: np.ndarray, hi: np.ndarray, lo_zero: bool, *,
+                whole_range: bool) -> bool:
+        """Whether a piece ``[start + lo, start + hi)`` may leave its destination or, with
+        ``whole_range``, the whole list may: a test no valid group fails, and which the
+        range-by-range check settles. Pieces at most their lists (``lo_zero``, ``hi`` the
+        counts themselves) of lists that fill their destinations cannot."""
+        if lo_zero and hi is self.n and self.fills:
+            return False
+        end = np.maximum(hi, self.n) if whole_range and hi is not self.n else hi
+        return bool((self.start + end > self.size).any()) or not lo_zero and lo.min() < 0
 
     def pieces(self, lo: np.ndarray, hi: np.ndarray,
                from_zero: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -690,9 +706,9 @@ class _Lists:
         against the destinations (L1); ``from_zero``: every ``lo`` is 0."""
         if not self.ids:
             return [], []
-        his = hi.tolist()
+        his = self.counts if hi is self.n else hi.tolist()
         if from_zero and his == self.counts:  # every piece is its whole list ...
-            if not any(self.starts) and self.counts == self.sizes:
+            if self.fills:
                 return self.ids, self.dests  # ... and fills its destination
             return self.ids, [d[at:at + c] for d, at, c
                               in zip(self.dests, self.starts, self.counts, strict=True)]
