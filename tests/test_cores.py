@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
@@ -593,3 +595,110 @@ def test_an_unacknowledged_handshake_gives_up_in_seconds():  # S5, W1 (hung Deco
     with pytest.raises(LayerSendError, match="S5: MF_META not acknowledged"):
         p.layer_writable(0)
     assert p.next_deadline() is None  # nothing is held any more
+
+
+def _reference_layer(entries: list[tuple], dests: list[tuple[list[int], list[int]]],
+                     member: int, ratio: int, d_rank: int, d_tp: int,
+                     shared: bool) -> tuple[list[int], list[int], list[int]] | str:
+    """What one layer of ``entries`` reads, entry by entry with the single-entry cut, or
+    the first L1 refusal in the order the core names it (T2, T3, T5, T6, L1)."""
+    from sfa_rd2h.spec.errors import LayoutError
+    from sfa_rd2h.spec.layout import plan_layer_reads
+    from sfa_rd2h.spec.topology import decode_cut
+
+    pairs: list[list[int]] = [[], [], [], []]
+    for (_, main, idx, m_start, i_start), (m_dest, i_dest) in zip(entries, dests, strict=True):
+        cut = decode_cut(len(main), len(idx), m_start, i_start, member, ratio, d_rank, d_tp,
+                         main_shared=shared)
+        (m_lo, m_hi), (i_lo, i_hi) = cut.main, cut.indexer
+        checks = [("main", m_start, m_start + len(main), len(m_dest))] if member == 0 else []
+        checks.append(("main", m_start + m_lo, m_start + m_hi, len(m_dest)))
+        if idx:
+            checks += [("indexer", i_start, i_start + len(idx), len(i_dest)),
+                       ("indexer", i_start + i_lo, i_start + i_hi, len(i_dest))]
+        for what, lo, hi, size in checks:
+            if lo < 0 or hi > size:
+                return (f"L1: {what} destination range [{lo}, {hi}) outside the {size} "
+                        "registered blocks")
+        pairs[0] += main[m_lo:m_hi]
+        pairs[1] += m_dest[m_start + m_lo:m_start + m_hi]
+        pairs[2] += idx[i_lo:i_hi]
+        pairs[3] += i_dest[i_start + i_lo:i_start + i_hi]
+    try:
+        plan = plan_layer_reads(LAYERS["l0"], DEST, *pairs)
+    except LayoutError as exc:
+        return str(exc)
+    return plan.local_addrs.tolist(), plan.peer_addrs.tolist(), plan.lengths.tolist()
+
+
+def _served(d: DecodeCore, layer: int, reqs: tuple, member: int, ratio: int):  # type: ignore[no-untyped-def]
+    actions = d.on_frame("p", ready(layer, reqs, member=member, ratio=ratio), 0.0)
+    reads = [a for a in actions if isinstance(a, IssueRead)]
+    if not reads:  # refused, or nothing to read: answered at once
+        [reply] = sends(actions)
+        answer = wire.decode(reply)
+        return (([], [], []) if isinstance(answer, wire.ReadDone) else answer.error), actions
+    [read] = reads
+    plan = read.plan
+    return ((plan.local_addrs.tolist(), plan.peer_addrs.tolist(), plan.lengths.tolist()),
+            d.read_result(read.read_id, 0, 0.0))
+
+
+@given(data=st.data(), ratio=st.sampled_from([1, 2]), d_tp=st.sampled_from([1, 2]),
+       shared=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_a_layer_reads_what_its_entries_cut_one_by_one_would_read(  # T2, T3, T5, T6, L1, C4
+        data: st.DataObject, ratio: int, d_tp: int, shared: bool) -> None:
+    """The whole layer is cut, range-checked and planned in one pass (main and indexer
+    joined): the same plan, or the same first L1 refusal, as cutting and checking each
+    entry alone and planning their pieces; and the next layer of the same requests, which
+    reuses the joined and proved destinations, reads the same again."""
+    member, d_rank = data.draw(st.integers(0, ratio - 1)), data.draw(st.integers(0, d_tp - 1))
+    pool = data.draw(st.sampled_from([8, 64]))  # a small pool makes requests share blocks
+    ids = st.lists(st.integers(0, 63), max_size=4)
+    entries, dests = [], []
+    for i in range(data.draw(st.integers(1, 4))):
+        entries.append((f"r{i}", data.draw(ids), data.draw(ids), data.draw(st.integers(0, 5)),
+                        data.draw(st.integers(0, 5))))
+        dests.append(tuple(data.draw(st.lists(st.integers(0, pool - 1), max_size=6,
+                                              unique=True)) for _ in range(2)))
+    d = DecodeCore(d_rank, d_tp, {"l0": DEST, "l1": DEST}, main_dest_shared=shared)
+    for (ext, *_), (m_dest, i_dest) in zip(entries, dests, strict=True):
+        d.register_request(ext, m_dest, i_dest, 0.0)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    want = _reference_layer(entries, dests, member, ratio, d_rank, d_tp, shared)
+    first, _ = _served(d, 0, tuple(entries), member, ratio)
+    assert first == want
+    if not isinstance(want, str):  # a refused layer fails its requests: no second layer
+        second, _ = _served(d, 1, tuple(entries), member, ratio)
+        assert second == want
+
+
+def test_a_proof_of_distinct_destinations_holds_for_those_requests_only():  # L1
+    """Two requests registered with one block in common would race into it: a layer that
+    reads both is refused, though the layer before proved its own requests' blocks
+    distinct (the proof is kept for the same destinations only)."""
+    d = decode()
+    d.register_request("r1", [10, 11], [20], 0.0)
+    d.register_request("r2", [11, 12], [21], 0.0)
+    d.register_request("r3", [30, 31], [22], 0.0)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    plan, _ = _served(d, 0, (("r1", (1, 2), (1,), 0, 0), ("r3", (3, 4), (2,), 0, 0)), 0, 1)
+    assert plan[0][0] == 0x900000 + 10 * MAIN
+    error, _ = _served(d, 1, (("r1", (1, 2), (1,), 0, 0), ("r2", (3, 4), (2,), 0, 0)), 0, 1)
+    assert error == "L1: main tensor 0 destination block id 11 appears more than once"
+
+
+def test_registered_destinations_are_the_cores_own_copy():  # C1, L1
+    """What vLLM registered is what is read: changing the caller's array afterwards
+    changes nothing, so a layer's joined destinations may be reused by the next."""
+    import numpy as np
+
+    blocks = np.array([10, 11], dtype=np.int64)
+    d = decode()
+    d.register_request("r1", blocks, [20, 21], 0.0)
+    blocks[:] = [40, 41]
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    for layer in (0, 1):
+        plan, _ = _served(d, layer, (("r1", (5, 6), (1, 2), 0, 0),), 0, 1)
+        assert plan[0][0] == 0x900000 + 10 * MAIN
