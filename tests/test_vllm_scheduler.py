@@ -1071,3 +1071,72 @@ def test_sigusr1_prints_every_thread_without_stopping_the_worker(tmp_path) -> No
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "still alive"
     assert "in waiting_for_a_gate" in out.stderr and "Current thread" in out.stderr
+
+
+def test_token_and_curve_keys_come_from_files_and_never_show(
+        model_dir: str, tmp_path, monkeypatch, caplog) -> None:
+    """Issue 19 item 7 on the vLLM route: the metaserver token and the CURVE keys are read
+    from files named in kv_connector_extra_config (the token also from the environment);
+    a bad file is refused naming the key and the file, never its contents; a secret is in
+    no repr, str or log line; and the worker half builds its sockets' CURVE from them."""
+    import zmq
+
+    from sfa_rd2h.runtime.vllm.config import parse_config
+    from sfa_rd2h.runtime.vllm.worker import curve_for
+
+    decode_pub, decode_sec = zmq.curve_keypair()
+    prefill_pub, prefill_sec = zmq.curve_keypair()
+    files = {name: tmp_path / name for name in ("token", "d.key", "p.key", "d.pub", "allow")}
+    files["token"].write_text("s3cret-token\n")
+    files["d.key"].write_text(decode_sec.decode() + "\n")
+    files["p.key"].write_text(prefill_sec.decode())
+    files["d.pub"].write_text(decode_pub.decode())
+    files["allow"].write_text(f"{prefill_pub.decode()}\n\n{zmq.curve_keypair()[0].decode()}\n")
+    monkeypatch.delenv("SFA_RD2H_METASERVER_TOKEN", raising=False)
+    caplog.set_level("DEBUG")
+
+    def parse(role: str, **extra: str):
+        return parse_config(make_config(model_dir, role, free_port(), {**HOST, **extra}))
+
+    d = parse("kv_consumer", metaserver_token_file=str(files["token"]),
+              curve_secret_key_file=str(files["d.key"]),
+              curve_allowed_keys_file=str(files["allow"]))
+    assert d.metaserver_token == "s3cret-token"
+    assert (d.curve_public, d.curve_secret) == (decode_pub, decode_sec)
+    assert prefill_pub in d.curve_allowed and len(d.curve_allowed) == 2
+    p = parse("kv_producer", metaserver_token_file=str(files["token"]),
+              curve_secret_key_file=str(files["p.key"]),
+              curve_server_key_file=str(files["d.pub"]))
+    server, client = curve_for(d), curve_for(p)
+    assert server is not None and client is not None
+    assert (server.public, server.secret, server.allowed_clients) == \
+        (decode_pub, decode_sec, d.curve_allowed)
+    assert (client.public, client.secret, client.server_public) == \
+        (prefill_pub, prefill_sec, decode_pub)
+    for cfg in (d, p):
+        shown = repr(cfg) + str(cfg) + caplog.text
+        for secret in ("s3cret-token", decode_sec.decode(), prefill_sec.decode()):
+            assert secret not in shown
+    assert curve_for(parse("kv_consumer")) is None  # off unless configured
+    monkeypatch.setenv("SFA_RD2H_METASERVER_TOKEN", "from-env")
+    assert parse("kv_consumer").metaserver_token == "from-env"
+
+    files["bad"] = tmp_path / "bad.key"
+    files["bad"].write_text("not,a,key," + decode_sec.decode()[10:])
+    refusals = [
+        ("kv_consumer", {"metaserver_token_file": str(tmp_path / "missing")},
+         "metaserver_token_file", "cannot be read"),
+        ("kv_consumer", {"curve_secret_key_file": str(files["bad"])},
+         "curve_secret_key_file", "line 1 is not a CURVE key"),
+        ("kv_producer", {"curve_secret_key_file": str(files["p.key"])},
+         "curve_server_key_file", "is required on Prefill with CURVE"),
+        ("kv_producer", {"curve_allowed_keys_file": str(files["allow"])},
+         "curve_allowed_keys_file", "is a Decode key"),
+        ("kv_consumer", {"curve_allowed_keys_file": str(files["allow"])},
+         "curve_allowed_keys_file", "needs curve_secret_key_file"),
+    ]
+    for role, extra, key, words in refusals:
+        with pytest.raises(ConnectorConfigError) as info:
+            parse(role, **extra)
+        assert key in str(info.value) and words in str(info.value), info.value
+        assert decode_sec.decode()[10:] not in str(info.value)  # the file, not its contents

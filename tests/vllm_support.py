@@ -125,7 +125,8 @@ class Backends:
         async def completions(request: Request) -> Response:
             body = await request.json()
             xrid = request.headers["x-request-id"]
-            self.decode_calls.append({"body": body, "x_request_id": xrid})
+            self.decode_calls.append({"body": body, "x_request_id": xrid,
+                                      "authorization": request.headers.get("authorization")})
             self.decode_arrived.set()
             work = asyncio.ensure_future(self._decode(body, xrid))
             gone = asyncio.ensure_future(client_gone(request))

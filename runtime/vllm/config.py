@@ -24,11 +24,15 @@ times in seconds):
 | `destination_wait` | `10.0` | D: how long a READY waits for its request's destinations (C1) |
 | `read_budget` | `30.0` | D: a read later than this after its READY arrived fails (S6) |
 | `request_deadline` | `300.0` | D: every contributor final by then, else the request fails (R1) |
-| `metaserver_timeout` | `2.0` | D: per rendezvous POST attempt (F1) |
+| `metaserver_timeout` | `2.0` | D: first rendezvous POST attempt, doubled per retry (F1) |
 | `metaserver_retries` | `5` | D: retries of a rendezvous POST on transport errors (F1) |
 | `metaserver_backoff` | `0.05` | D: first retry delay, doubled per retry (F1) |
 | `close_timeout` | `5.0` | how long `shutdown` waits for each worker thread |
 | `trace_dir` | `None` | write JSON-lines traces there, for `sfa-rd2h validate` |
+| `metaserver_token_file` | `None` | the proxy's bearer token (else `$SFA_RD2H_METASERVER_TOKEN`) |
+| `curve_secret_key_file` | `None` | this engine's ZMQ CURVE secret key (Z85); turns CURVE on |
+| `curve_server_key_file` | `None` | P: Decode's CURVE public key (Z85), required with CURVE |
+| `curve_allowed_keys_file` | `None` | D: the Prefill public keys it admits, one per line |
 
 Top-level keys that are validated too: ``kv_role`` (``kv_producer`` = Prefill, ``kv_consumer``
 = Decode), ``kv_port`` (Decode's ``kv_port + global_dp_rank * tp`` .. ``+ tp - 1`` must be valid
@@ -39,13 +43,17 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+from zmq.utils import z85
+
 from sfa_rd2h.runtime.engines import ENGINE_NAMES
-from sfa_rd2h.runtime.metaserver import Rendezvous, RendezvousError
+from sfa_rd2h.runtime.metaserver import TOKEN_ENV, Rendezvous, RendezvousError
 from sfa_rd2h.spec.errors import ProtocolError, TopologyError
 from sfa_rd2h.spec.topology import TpMapping, decode_base_port, decode_rank_port, tp_mapping
 
@@ -73,7 +81,13 @@ DEFAULTS: dict[str, Any] = {
     "metaserver_backoff": 0.05,
     "close_timeout": 5.0,
     "trace_dir": None,
+    "metaserver_token_file": None,
+    "curve_secret_key_file": None,
+    "curve_server_key_file": None,
+    "curve_allowed_keys_file": None,
 }
+#: Only on this side: Decode is the CURVE server, Prefill its client.
+_CURVE_ROLE = {"curve_server_key_file": PRODUCER, "curve_allowed_keys_file": CONSUMER}
 _TIMEOUTS = ("reply_timeout", "handshake_timeout", "layer_send_timeout", "destination_wait",
              "read_budget", "request_deadline", "metaserver_timeout", "close_timeout")
 # Keys other connectors (and upstream's SFA connector) put in the same dict; accepted, unused.
@@ -121,6 +135,12 @@ class Rd2hConfig:
     close_timeout: float
     trace_dir: str | None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Secrets, read from files at start-up: never in repr, str or a log line.
+    metaserver_token: str | None = field(default=None, repr=False)
+    curve_secret: bytes = field(default=b"", repr=False)
+    curve_public: bytes = b""  # derived from the secret; public keys are not secret
+    curve_server_key: bytes = b""  # P: Decode's
+    curve_allowed: frozenset[bytes] = frozenset()  # D: the Prefill keys let in
 
     @property
     def is_producer(self) -> bool:
@@ -173,6 +193,74 @@ def _tp_size(extra: Mapping[str, Any], key: str, own: int, *, mine: bool) -> int
         raise ConnectorConfigError(_extra(key), value,
                                    f"this instance runs tensor_parallel_size={own}")
     return value
+
+
+def _read_file(extra: Mapping[str, Any], key: str) -> str | None:
+    path = extra.get(key, DEFAULTS[key])
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ConnectorConfigError(_extra(key), path, "must be a file path")
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConnectorConfigError(_extra(key), path, f"cannot be read: {exc}") from None
+
+
+def _z85_keys(text: str, key: str, path: str) -> list[bytes]:
+    """The CURVE keys of a file, one per line; the file, never a key, names a bad one."""
+    keys = [line.strip().encode() for line in text.splitlines() if line.strip()]
+    for n, k in enumerate(keys, 1):
+        try:
+            ok = len(k) == 40 and len(z85.decode(k)) == 32
+        except (ValueError, KeyError):
+            ok = False
+        if not ok:
+            raise ConnectorConfigError(_extra(key), path, f"line {n} is not a CURVE key (40 "
+                                       "characters of Z85 text as zmq.curve_keypair() makes)")
+    if not keys:
+        raise ConnectorConfigError(_extra(key), path, "holds no CURVE key")
+    return keys
+
+
+def _secrets(extra: Mapping[str, Any], role: str) -> dict[str, Any]:
+    """The token and CURVE keys, read from their files (or the token's environment
+    variable); the errors name the key and the file, never what it holds."""
+    for key, only in _CURVE_ROLE.items():
+        if extra.get(key) is not None and role != only:
+            side = "Prefill" if only == PRODUCER else "Decode"
+            raise ConnectorConfigError(_extra(key), extra[key], f"is a {side} key")
+    token_text = _read_file(extra, "metaserver_token_file")
+    token = token_text.strip() if token_text is not None else os.environ.get(TOKEN_ENV)
+    if token_text is not None and not token:
+        raise ConnectorConfigError(_extra("metaserver_token_file"),
+                                   extra["metaserver_token_file"], "is empty")
+    out: dict[str, Any] = {"metaserver_token": token or None}
+    secret_text = _read_file(extra, "curve_secret_key_file")
+    others = [k for k in _CURVE_ROLE if extra.get(k) is not None]
+    if secret_text is None:
+        if others:
+            raise ConnectorConfigError(_extra(others[0]), extra[others[0]],
+                                       "needs curve_secret_key_file: CURVE is off without it")
+        return out
+    path = extra["curve_secret_key_file"]
+    (secret,) = _z85_keys(secret_text, "curve_secret_key_file", path)[:1]
+    out.update(curve_secret=secret, curve_public=zmq.curve_public(secret))
+    if role == PRODUCER:
+        server = _read_file(extra, "curve_server_key_file")
+        if server is None:
+            raise ConnectorConfigError(_extra("curve_server_key_file"), None,
+                                       "is required on Prefill with CURVE: Decode's public "
+                                       "key, so Prefill knows it talks to the real Decode")
+        out["curve_server_key"] = _z85_keys(server, "curve_server_key_file",
+                                            extra["curve_server_key_file"])[0]
+    else:
+        allowed = _read_file(extra, "curve_allowed_keys_file")
+        if allowed is not None:
+            out["curve_allowed"] = frozenset(_z85_keys(allowed, "curve_allowed_keys_file",
+                                                       extra["curve_allowed_keys_file"]))
+    return out
 
 
 def parse_config(vllm_config: Any, *, n_groups: int | None = None) -> Rd2hConfig:
@@ -287,6 +375,7 @@ def parse_config(vllm_config: Any, *, n_groups: int | None = None) -> Rd2hConfig
         trace_dir=trace_dir,
         extra=extra,
         **timeouts,
+        **_secrets(extra, role),
     )
 
 

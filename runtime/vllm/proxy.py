@@ -32,6 +32,10 @@ URL from its ``kv_transfer_params["metaserver"]``), ``GET /v1/models`` (Decode's
 ``GET /health`` and ``GET /healthcheck``, ``GET /v1/proxy/jobs`` (timings of recent
 completions).
 
+With a token (``token=``, ``--token-file`` or ``SFA_RD2H_METASERVER_TOKEN``) every endpoint
+but the two health probes answers 401 to a caller without ``Authorization: Bearer <token>``
+and changes nothing; the client's credentials then go no further than the proxy.
+
 Run it standalone::
 
     python -m sfa_rd2h.runtime.vllm.proxy --port 8000 \\
@@ -43,10 +47,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import ipaddress
 import itertools
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -63,7 +69,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sfa_rd2h.runtime.metaserver import Rendezvous, RendezvousError
+from sfa_rd2h.runtime.metaserver import TOKEN_ENV, Rendezvous, RendezvousError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 # Keys dropped from the Prefill copy of a request: Prefill computes the prompt's KV and one
 # token, never a stream nor several sequences.
 _PREFILL_DROP = ("stream_options", "min_completion_tokens", "n", "best_of")
+_OPEN_PATHS = frozenset({"/health", "/healthcheck"})  # no token asked, even with one set
 
 
 class ProxyError(Exception):
@@ -218,6 +225,7 @@ class DisaggProxy:
         request_timeout_s: float = 300.0,
         prefill_retries: int = 2,
         max_body: int = MAX_BODY_BYTES,
+        token: str | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("at least one Prefill and one Decode server are required")
@@ -240,6 +248,10 @@ class DisaggProxy:
         self.request_timeout_s = request_timeout_s
         self.prefill_retries = prefill_retries
         self.max_body = max_body
+        # A bearer token every caller but a health probe must present (off unless given
+        # here or in SFA_RD2H_METASERVER_TOKEN); Decode's rendezvous client and the
+        # connectors' failure reports send the same one. Never logged.
+        self._token = (token if token is not None else os.environ.get(TOKEN_ENV)) or None
         self._rr_prefill = itertools.cycle(range(len(self.prefill)))
         self._rr_decode = itertools.cycle(range(len(self.decode)))
         self._jobs: dict[str, _Job] = {}
@@ -363,6 +375,21 @@ class DisaggProxy:
                 await self._client.aclose()
 
         app = FastAPI(lifespan=lifespan, title="sfa-rd2h D-first proxy")
+
+        @app.middleware("http")
+        async def bearer(request: Request, call_next: Any) -> Response:
+            # Health probes stay open: orchestrators call them without credentials.
+            if self._token is None or request.url.path in _OPEN_PATHS:
+                return await call_next(request)
+            given = request.headers.get("authorization", "")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(
+                    value.strip().encode(), self._token.encode()):
+                return await call_next(request)
+            why = "the bearer token is wrong" if given else \
+                "this proxy requires a bearer token (Authorization: Bearer ...)"
+            return JSONResponse(error_body(401, why, "AuthenticationError"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -623,7 +650,9 @@ class DisaggProxy:
     def _headers(self, request: Request, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
         auth = request.headers.get("authorization")
-        if auth:
+        if auth and self._token is None:
+            # Without a token of its own the client's credentials are the engines' (vLLM's
+            # --api-key); with one, they are this proxy's and go no further.
             headers["Authorization"] = auth
         return headers
 
@@ -881,12 +910,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode", nargs="+", required=True, help="Decode server URLs")
     parser.add_argument("--rendezvous-timeout", type=float, default=60.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--token-file", default=None,
+                        help="a file holding the bearer token every caller but /health must "
+                             f"send (default: ${TOKEN_ENV}, else none)")
     args = parser.parse_args(argv)
+    token = None
+    if args.token_file is not None:
+        try:
+            with open(args.token_file, encoding="ascii") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            parser.error(f"--token-file {args.token_file}: cannot be read: {exc}")
+        if not token:
+            parser.error(f"--token-file {args.token_file} is empty")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     proxy = DisaggProxy(args.prefill, args.decode, host=args.host, port=args.port,
                         advertise_host=args.advertise_host,
                         rendezvous_timeout_s=args.rendezvous_timeout,
-                        request_timeout_s=args.request_timeout)
+                        request_timeout_s=args.request_timeout, token=token)
     asyncio.run(proxy.serve())
     return 0
 

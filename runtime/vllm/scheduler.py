@@ -91,7 +91,8 @@ class RendezvousPoster:
             try:
                 status = post_rendezvous(
                     url, rendezvous, retries=self._cfg.metaserver_retries,
-                    backoff=self._cfg.metaserver_backoff, timeout=self._cfg.metaserver_timeout)
+                    backoff=self._cfg.metaserver_backoff, timeout=self._cfg.metaserver_timeout,
+                    token=self._cfg.metaserver_token)
                 if status >= 400:
                     # F1: an error answer counts as delivered (old proxies answer errors
                     # for requests they did accept); the request deadline covers the rest.
@@ -254,7 +255,8 @@ class ProducerScheduler:
         self.rejected = 0
         # A refused request is computed all the same with nowhere to send its KV: its
         # Decode would wait for it until R1's deadline unless the proxy is told.
-        self.reporter = FailureReporter("Prefill scheduler", timeout=cfg.metaserver_timeout)
+        self.reporter = FailureReporter("Prefill scheduler", timeout=cfg.metaserver_timeout,
+                                        token=cfg.metaserver_token)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

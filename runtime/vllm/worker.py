@@ -33,6 +33,7 @@ import numpy as np
 from sfa_rd2h.runtime.control import (
     AgreementLoop,
     ControlPlaneError,
+    CurveSecurity,
     DecodeWorker,
     PrefillWorker,
 )
@@ -188,6 +189,17 @@ def tp_rank_and_group(cfg: Rd2hConfig) -> tuple[int, int, Any]:
     return int(group.rank_in_group), int(group.world_size), group.cpu_group
 
 
+def curve_for(cfg: Rd2hConfig) -> CurveSecurity | None:
+    """This engine's CURVE keys for the control sockets, or None (off unless configured):
+    Decode serves with its pair and admits the allow-listed Prefill keys, Prefill dials
+    with its pair and checks that Decode holds the secret of ``curve_server_key``."""
+    if not cfg.curve_secret:
+        return None
+    if cfg.is_producer:
+        return CurveSecurity(cfg.curve_public, cfg.curve_secret, cfg.curve_server_key)
+    return CurveSecurity(cfg.curve_public, cfg.curve_secret, allowed_clients=cfg.curve_allowed)
+
+
 def _make_engine(cfg: Rd2hConfig, role: str) -> TransferEngine:
     options = dict(cfg.engine_options)
     if cfg.transfer_backend == "memfabric":
@@ -316,7 +328,8 @@ class ProducerWorker:
         # sender's; kept past the request's end (a reader can be lost after it), bounded.
         self._report_to: dict[str, str] = {}
         self.reporter = FailureReporter(f"Prefill rank {self.rank}",
-                                        timeout=cfg.metaserver_timeout)
+                                        timeout=cfg.metaserver_timeout,
+                                        token=cfg.metaserver_token)
 
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -341,7 +354,7 @@ class ProducerWorker:
                 observer=_observers(timer, self.tracer))
             for i in reversed(range(len(layers))):
                 timer.layer_of.update({g.key: i for g in core.gates_of(i)})
-            self.worker = PrefillWorker(core, tracer=self.tracer,
+            self.worker = PrefillWorker(core, tracer=self.tracer, curve=curve_for(self.cfg),
                                         on_abandoned=self._abandoned)
         except BaseException:
             engine.close()
@@ -611,7 +624,8 @@ class ConsumerWorker:
         # (F2), so the client's error names the cause, not vLLM's "Internal server error"
         self._report_to: dict[str, str] = {}
         self.reporter = FailureReporter(f"Decode rank {self.rank}",
-                                        timeout=cfg.metaserver_timeout)
+                                        timeout=cfg.metaserver_timeout,
+                                        token=cfg.metaserver_token)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = collect_layers(kv_caches, self.kv_cache_config, self.cfg)
@@ -638,7 +652,8 @@ class ConsumerWorker:
             agreement = AgreementLoop(group)
             try:
                 worker = DecodeWorker(core, engine, self.port, host=self.cfg.host,
-                                          tracer=self.tracer, on_ready=agreement.notify)
+                                      tracer=self.tracer, on_ready=agreement.notify,
+                                      curve=curve_for(self.cfg))
             except ControlPlaneError as exc:
                 raise ConnectorConfigError("kv_port", self.cfg.kv_port, str(exc)) from None
         except BaseException:
