@@ -29,6 +29,10 @@ from vllm_platform import require_cpu_platform  # noqa: E402
 
 require_cpu_platform()
 
+import zmq  # noqa: E402
+import zmq.utils.monitor  # noqa: E402
+
+from sfa_rd2h.runtime.metaserver import Rendezvous, post_rendezvous  # noqa: E402
 from sfa_rd2h.runtime.tools import hosts as hosts_mod  # noqa: E402
 from sfa_rd2h.runtime.tools.bench.serving_systems import source_tokens  # noqa: E402
 from sfa_rd2h.runtime.tools.hosts import in_netns  # noqa: E402
@@ -44,12 +48,108 @@ REQUEST_S = 90.0
 HTTP_PORT, KV_PORT, PROXY_PORT = 8100, 8300, 8000
 
 
+TOKEN = "a-deployment-token"
+
+
+def _keys(folder: Path, names: list[str]) -> dict[str, tuple[Path, bytes]]:
+    """A CURVE key pair per name: (the secret key's file, the public key)."""
+    out = {}
+    for name in names:
+        public, secret = zmq.curve_keypair()
+        path = folder / f"{name}.key"
+        path.write_bytes(secret)
+        out[name] = (path, public)
+    return out
+
+
+def _guarded_extra(role: str, keys: dict[str, tuple[Path, bytes]], name: str,
+                   folder: Path) -> dict[str, str]:
+    """The token and CURVE keys of one engine (item 7): Decode admits the Prefill keys,
+    each Prefill knows Decode's public key."""
+    (folder / "token").write_text(TOKEN)
+    extra = {"metaserver_token_file": str(folder / "token"),
+             "curve_secret_key_file": str(keys[name][0])}
+    if role == "decode":
+        allow = folder / "prefill-keys"
+        allow.write_text("".join(k[1].decode() + "\n" for n, k in keys.items() if n != name))
+        extra["curve_allowed_keys_file"] = str(allow)
+    else:
+        server = folder / "decode.pub"
+        server.write_bytes(keys["decode"][1])
+        extra["curve_server_key_file"] = str(server)
+    return extra
+
+
+def _an_intruder_gets_nothing_in(lab: hosts_mod.Lab, url: str,
+                                 decode_public: bytes) -> list[str]:
+    """From host "intruder": no frame reaches Decode's core without an admitted CURVE key
+    (its own key pair, or none), and no completion or rendezvous gets past the proxy
+    without the token, the proxy's jobs unchanged. Returns what it saw, for the log."""
+    decode_at = f"tcp://{lab['decode'].address}:{KV_PORT}"
+    seen = []
+
+    def dial(curve: bool) -> int:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            sock.curve_serverkey = decode_public  # public keys are no secret
+        monitor = sock.get_monitor_socket()
+        try:
+            sock.connect(decode_at)
+            sock.send(b"\x93\x00\x01\x02", zmq.NOBLOCK)  # queued; it may never leave
+            poller = zmq.Poller()
+            poller.register(monitor, zmq.POLLIN)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:  # each monitor event, as it comes
+                if not poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                    break
+                event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+                if event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                    return event
+            return 0
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close(0)
+            ctx.term()
+
+    def http() -> None:
+        jobs = len(launch.get_json(f"{url}/v1/proxy/jobs", token=TOKEN))
+        for kw in ({}, {"token": "not-it"}):
+            try:
+                launch.complete(url, [3, 4, 5], 2, timeout=20, **kw)
+            except launch.CompletionError as exc:
+                assert exc.status == 401, exc
+            else:
+                raise AssertionError("a completion without the token got in")
+        rdv = Rendezvous(request_id="cmpl-intruder-0", remote_engine_id="x",
+                         remote_host=lab["intruder"].address, remote_port=9,
+                         remote_tp_size=1)
+        assert post_rendezvous(f"{url}/v1/metaserver", rdv, token="") == 401
+        assert len(launch.get_json(f"{url}/v1/proxy/jobs", token=TOKEN)) == jobs
+
+    for curve in (True, False):
+        event = in_netns(lab["intruder"].netns, lambda c=curve: dial(c))
+        assert event and not event & zmq.EVENT_HANDSHAKE_SUCCEEDED, (curve, event)
+        seen.append(f"{'own CURVE key' if curve else 'no CURVE'}: handshake event {event:#x}")
+    in_netns(lab["intruder"].netns, http)
+    return seen
+
+
 def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> list[dict]:
     """Serve the demo's prompts through the proxy on host "proxy", Prefill engines on the
-    hosts ``prefills`` and a Decode engine on "decode"; check every output against the
-    reference and Decode's token sources; return the proxy's job records."""
+    hosts ``prefills`` and a Decode engine on "decode", with the token and CURVE on; check
+    every output against the reference and Decode's token sources, and that an intruder
+    host gets nothing in; return the proxy's job records."""
     logs = tmp_path / "logs"
     logs.mkdir()
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    keys = _keys(secrets, [*prefills, "decode"])
     model = launch.make_tiny_llama(tmp_path / "model", seed=0)
     opts = launch.EngineOptions(model=str(model), max_num_batched_tokens=128)
     cases = launch.demo_cases(opts, seed=0)
@@ -66,7 +166,9 @@ def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> li
             engines[name] = launch.launch_engine(
                 name, opts, port=HTTP_PORT, log_dir=logs, host=addr, cpu_bind=binds[i],
                 kv_config=launch.kv_transfer_config(
-                    role, kv_port=KV_PORT, host=addr, extra={"transfer_backend": "mooncake"}),
+                    role, kv_port=KV_PORT, host=addr,
+                    extra={"transfer_backend": "mooncake",
+                           **_guarded_extra(role, keys, name, secrets)}),
                 netns=lab[name].netns)
         deadline = time.monotonic() + STARTUP_S
         for name, server in engines.items():
@@ -75,11 +177,12 @@ def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> li
         # Decode posts its rendezvous to.
         proxy = DisaggProxy([engines[n].url for n in prefills], [engines["decode"].url],
                             host=lab["proxy"].address, port=PROXY_PORT,
-                            request_timeout_s=REQUEST_S)
+                            request_timeout_s=REQUEST_S, token=TOKEN)
         url = in_netns(lab["proxy"].netns, lambda: proxy.start(timeout=30.0))
         assert lab["proxy"].address in url and "127.0.0.1" not in url
         outputs = in_netns(lab["proxy"].netns, lambda: [
-            launch.complete(url, c.prompt, MAX_TOKENS, timeout=REQUEST_S) for c in cases])
+            launch.complete(url, c.prompt, MAX_TOKENS, timeout=REQUEST_S, token=TOKEN)
+            for c in cases])
         want = dict(zip(prompts, reference.result(timeout=STARTUP_S), strict=True))
         for case, got in zip(cases, outputs, strict=True):
             assert got == [want[p] for p in case.prompts], case.name
@@ -90,12 +193,23 @@ def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> li
         local = sources.get("local_compute", 0.0) + sources.get("local_cache_hit", 0.0)
         assert local <= len(prompts), sources
         assert sources.get("external_kv_transfer", 0.0) + local == sum(map(len, prompts))
+        for line in _an_intruder_gets_nothing_in(lab, url, keys["decode"][1]):
+            print(f"intruder: {line}")
+        for name in roles:  # what listens where, for the README's firewall advice
+            listening = lab.run(name, ["ss", "-tlnH"], capture_output=True, text=True,
+                                check=True).stdout.split("\n")
+            bound = sorted({ln.split()[3] for ln in listening if ln.strip()})
+            print(f"{name} listens on: {' '.join(bound)}")
+            assert f"{lab[name].address}:{HTTP_PORT}" in bound
+            assert f"0.0.0.0:{HTTP_PORT}" not in bound and f"*:{HTTP_PORT}" not in bound
+            if name == "decode":
+                assert f"{lab[name].address}:{KV_PORT}" in bound
         for name, server in engines.items():
             # no request running or waiting, every KV block freed (EngineError otherwise)
             in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
                 s, time.monotonic() + 30, interval=0.05))
         return list(in_netns(lab["proxy"].netns,
-                             lambda: launch.get_json(f"{url}/v1/proxy/jobs")))
+                             lambda: launch.get_json(f"{url}/v1/proxy/jobs", token=TOKEN)))
     finally:
         if proxy is not None:
             proxy.close(5.0)
@@ -110,7 +224,7 @@ def test_two_prefill_hosts_and_one_decode_through_the_proxys_round_robin(
         hosts, tmp_path: Path) -> None:  # noqa: F811
     """1P1D and 2P1D in one: the proxy's round robin alternates the two Prefill hosts, so
     every completion is one Prefill host and the Decode host, each of them equal."""
-    lab = hosts("proxy", "prefilla", "prefillb", "decode")
+    lab = hosts("proxy", "prefilla", "prefillb", "decode", "intruder")
     jobs = _across_hosts(lab, ["prefilla", "prefillb"], tmp_path)
     assert len(jobs) == 4 and all(j["outcome"] == "ok" for j in jobs), jobs
     # both Prefill hosts served completions (2P1D), every one of them ok

@@ -625,14 +625,18 @@ class Deployment:
 
 
 def complete(url: str, prompt: Sequence[int] | Sequence[Sequence[int]], max_tokens: int, *,
-             timeout: float = 120.0, extra: Mapping[str, Any] | None = None
-             ) -> list[list[int]]:
+             timeout: float = 120.0, extra: Mapping[str, Any] | None = None,
+             token: str | None = None) -> list[list[int]]:
     """Greedy ``/v1/completions`` of token-id prompt(s); the generated token ids per prompt,
-    in prompt order. :class:`CompletionError` on an HTTP error."""
+    in prompt order; ``token``: the bearer token a guarded proxy asks for.
+    :class:`CompletionError` on an HTTP error."""
     body = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
             "temperature": 0.0, "return_token_ids": True, "ignore_eos": True, **(extra or {})}
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
+                                 method="POST", headers=headers)
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
             payload = json.loads(resp.read())
@@ -682,8 +686,9 @@ def wait_drained(server: EngineServer, deadline: float,
         time.sleep(interval)  # polling another process: nothing to await
 
 
-def get_json(url: str, timeout: float = 10.0) -> Any:
-    with _OPENER.open(url, timeout=timeout) as resp:
+def get_json(url: str, timeout: float = 10.0, token: str | None = None) -> Any:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
