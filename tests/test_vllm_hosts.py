@@ -140,6 +140,24 @@ def _an_intruder_gets_nothing_in(lab: hosts_mod.Lab, url: str,
     return seen
 
 
+def _drained(lab: hosts_mod.Lab, engines: dict, within: float) -> None:
+    """Every engine ends with no request running or waiting and every KV block freed
+    (EngineError otherwise), asked from inside its own host."""
+    for name, server in engines.items():
+        in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
+            s, time.monotonic() + within, interval=0.05))
+
+
+def _stop(proxies: list, engines: dict) -> None:
+    for proxy in proxies:
+        if proxy is not None:
+            proxy.close(5.0)
+    for server in engines.values():
+        server.terminate()
+    for server in engines.values():
+        server.stop()
+
+
 def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> list[dict]:
     """Serve the demo's prompts through the proxy on host "proxy", Prefill engines on the
     hosts ``prefills`` and a Decode engine on "decode", with the token and CURVE on; check
@@ -204,19 +222,11 @@ def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> li
             assert f"0.0.0.0:{HTTP_PORT}" not in bound and f"*:{HTTP_PORT}" not in bound
             if name == "decode":
                 assert f"{lab[name].address}:{KV_PORT}" in bound
-        for name, server in engines.items():
-            # no request running or waiting, every KV block freed (EngineError otherwise)
-            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
-                s, time.monotonic() + 30, interval=0.05))
+        _drained(lab, engines, 30)
         return list(in_netns(lab["proxy"].netns,
                              lambda: launch.get_json(f"{url}/v1/proxy/jobs", token=TOKEN)))
     finally:
-        if proxy is not None:
-            proxy.close(5.0)
-        for server in engines.values():
-            server.terminate()
-        for server in engines.values():
-            server.stop()
+        _stop([proxy], engines)
         reference.kill()
 
 
@@ -298,16 +308,9 @@ def test_misconfigured_addresses_are_told_not_hung(hosts, tmp_path: Path) -> Non
         assert f"{NOWHERE}:" in exc.body and "--advertise-host" in exc.body, exc.body
         assert took < 30.0 + 5.0, took  # within the rendezvous timeout
         print(f"unreachable proxy address: HTTP {exc.status} after {took:.1f}s")
-        for name, server in engines.items():
-            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
-                s, time.monotonic() + 60, interval=0.05))
+        _drained(lab, engines, 60)
     finally:
-        for proxy in proxies:
-            proxy.close(5.0)
-        for server in engines.values():
-            server.terminate()
-        for server in engines.values():
-            server.stop()
+        _stop(proxies, engines)
 
 
 class _TappedProxy(DisaggProxy):
@@ -419,16 +422,9 @@ def test_a_link_cut_through_vllm_fails_its_victims_quickly_and_then_heals(
         url = f"http://{lab['proxy'].address}:{proxies[-1].url.rsplit(':', 1)[1]}"
         outputs = in_netns(lab["proxy"].netns, lambda: _burst(url, after))
         assert [got for got, _ in outputs] == [want[tuple(p)] for p in after]
-        for name, server in engines.items():
-            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
-                s, time.monotonic() + 90, interval=0.05))
+        _drained(lab, engines, 90)
     finally:
-        for proxy in proxies:
-            proxy.close(5.0)
-        for server in engines.values():
-            server.terminate()
-        for server in engines.values():
-            server.stop()
+        _stop(proxies, engines)
         reference.kill()
 
 
@@ -467,13 +463,6 @@ def test_the_host_engines_refusal_across_hosts_reaches_the_client(
             assert words in exc.body, exc.body
         assert took < 20.0, took
         print(f"host engine across hosts: HTTP {exc.status} after {took:.1f}s")
-        for name, server in engines.items():
-            in_netns(lab[name].netns, lambda s=server: launch.wait_drained(
-                s, time.monotonic() + 60, interval=0.05))
+        _drained(lab, engines, 60)
     finally:
-        if proxy is not None:
-            proxy.close(5.0)
-        for server in engines.values():
-            server.terminate()
-        for server in engines.values():
-            server.stop()
+        _stop([proxy], engines)
