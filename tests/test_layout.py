@@ -770,3 +770,195 @@ def test_joined_planning_does_not_step_narrow_ids_past_their_maximum() -> None: 
     assert plan.lengths.tolist() == [4096] * 4
     assert plan.peer_addrs.tolist() == plan_layer_reads(src, dst, [255, 0], [7, 8], [], []) \
         .peer_addrs.tolist()
+
+
+# ------------------------------------------------ joined planning: edges and refusals
+
+
+def _joined_and_apart(src: Meta, dst: DestLayout, sid: object, did: object, split: int):  # type: ignore[no-untyped-def]
+    """What plan_joined_reads gives and what plan_layer_reads gives for the same pairs cut
+    at ``split`` (its documented equal): both plans as lists, or both refusals' words."""
+    joined = _plan_or_refusal(plan_joined_reads, src, dst, sid, did, split)
+    apart = _plan_or_refusal(plan_layer_reads, src, dst, sid[:split], did[:split],  # type: ignore[index]
+                             sid[split:], did[split:])  # type: ignore[index]
+    return joined, apart
+
+
+def _no_fallback(monkeypatch: pytest.MonkeyPatch, *, proof: bool = True) -> None:
+    """Make the slow paths fail loudly: valid joined ids must be planned in one pass, never
+    handed to plan_layer_reads (the Decode core plans every layer of every READY this way,
+    and the fallback costs about twice the numpy calls); without ``proof`` the distinctness
+    proof must be skipped too."""
+    from sfa_rd2h.spec import layout
+
+    def fell_back(*args: object, **kw: object) -> ReadPlan:
+        raise AssertionError("valid ids were handed to plan_layer_reads")
+
+    monkeypatch.setattr(layout, "plan_layer_reads", fell_back)
+    if not proof:
+        def proved(*args: object, **kw: object) -> bool:
+            raise AssertionError("the distinctness proof ran though it was not needed")
+        monkeypatch.setattr(layout, "_joined_distinct", proved)
+
+
+@pytest.mark.parametrize("src_type", [np.uint8, np.uint16, np.uint32, np.int32, np.int64])
+@pytest.mark.parametrize("dst_type", [np.uint8, np.uint16, np.uint32, np.int32, np.int64])
+@pytest.mark.parametrize("split", [0, 2, 4])
+def test_valid_joined_ids_of_every_accepted_type_and_split_are_planned_without_fallback(
+        monkeypatch: pytest.MonkeyPatch, src_type: type, dst_type: type, split: int) -> None:
+    """Ids starting at 0 on both sides, up to the last destination block, of each integer
+    type a READY may arrive in, with main alone, indexer alone or both: the fast path takes
+    them all (no check refuses a valid id) and plans what plan_layer_reads plans."""
+    src, dst = make_pair(main_bytes=(4, 4), indexer_bytes=2, scale_bytes=1, num_blocks=8)
+    sid = np.array([0, 3, 4, 1], dtype=src_type)
+    did = np.array([7, 0, 1, 2], dtype=dst_type)
+    want = _plan_or_refusal(plan_layer_reads, src, dst, sid[:split], did[:split],
+                            sid[split:], did[split:])
+    _no_fallback(monkeypatch)
+    assert _plan_or_refusal(plan_joined_reads, src, dst, sid, did, split) == want
+
+
+def test_ids_at_the_last_addressable_block_are_planned_without_fallback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors based just below 2**64: id 10 is the last block whose last byte is
+    addressable on both sides (well inside the capacity), so it is accepted on the fast
+    path, and id 11 refused with plan_layer_reads' words."""
+    top = (1 << 64) - 11 * 4096
+    src, dst = make_pair(main_bytes=(4096,), indexer_bytes=None, scale_bytes=None)
+    src = Meta((top,), src.block_len, src.block_size_scale, (0,), 1, False)
+    dst = DestLayout((top,), (4096,), (64,), 1, False, False)
+    want = plan_layer_reads(src, dst, [10], [10], [], [])
+    assert want.local_addrs.tolist() == want.peer_addrs.tolist() == [(1 << 64) - 4096]
+    for sid, did, side in (([11], [10], "prefill"), ([10], [11], "decode")):
+        joined, apart = _joined_and_apart(src, dst, np.array(sid), np.array(did), 1)
+        assert joined == apart == f"L1: main tensor 0 {side} address overflows 64 bits"
+    _no_fallback(monkeypatch)
+    got = plan_joined_reads(src, dst, np.array([10]), np.array([10]), 1)
+    assert (got.local_addrs.tolist(), got.peer_addrs.tolist(), got.lengths.tolist()) == \
+        (want.local_addrs.tolist(), want.peer_addrs.tolist(), [4096])
+
+
+def test_a_vouched_or_single_destination_skips_the_distinctness_proof(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distinct=True`` (the caller planned these very ids before) and a lone pair need no
+    proof that destinations differ; the plan is the same as with the proof."""
+    src, dst = make_pair(num_blocks=16)
+    sid, did = np.array([0, 1, 5, 2]), np.array([3, 9, 4, 8])
+    want = _plan_or_refusal(plan_joined_reads, src, dst, sid, did, 2)
+    one = _plan_or_refusal(plan_joined_reads, src, dst, sid[:1], did[:1], 1)
+    _no_fallback(monkeypatch, proof=False)
+    vouched = plan_joined_reads(src, dst, sid, did, 2, distinct=True)
+    assert (vouched.local_addrs.tolist(), vouched.peer_addrs.tolist(),
+            vouched.lengths.tolist()) == want
+    assert _plan_or_refusal(plan_joined_reads, src, dst, sid[:1], did[:1], 1) == one
+
+
+@pytest.mark.parametrize(("sid", "did", "split", "words"), [
+    ([0, 1], [3, 3], 2, "L1: main tensor 0 destination block id 3 appears more than once"),
+    ([0], [64], 1, "L1: main tensor 0 destination block id 64 is outside 0..63 (capacity 64)"),
+    ([0], [-1], 1, "L1: main tensor 0 destination block id -1 is outside 0..63"),
+    ([0, -1], [0, 1], 1, "L1: indexer source block id -1 is negative"),
+])
+def test_joined_refusals_name_the_bad_id_as_plan_layer_reads_does(  # L1
+        sid: list[int], did: list[int], split: int, words: str) -> None:
+    """Two pairs landing in one block, a destination just past the capacity or below 0, a
+    negative source id: refused (never planned into a race or a wrapped address), in the
+    words plan_layer_reads uses."""
+    src, dst = make_pair()
+    joined, apart = _joined_and_apart(src, dst, np.array(sid), np.array(did), split)
+    assert joined == apart
+    assert isinstance(joined, str) and joined.startswith(words)
+
+
+@pytest.mark.parametrize(("sid", "did"), [
+    (np.array([0.0, 1.0]), np.array([0, 1])),  # float ids
+    (np.array([0, 1]), np.array([0.0, 1.0])),
+    (np.array([0, 1, 2]), np.array([0, 1])),  # counts differ
+    (np.array([[0, 1]]), np.array([0, 1])),  # nested
+    (np.array([0, 1]), np.array([[0, 1]])),
+    (np.array([(1 << 63) + 5], dtype=np.uint64), np.array([0])),  # past int64
+    (np.array([0]), np.array([(1 << 63) + 5], dtype=np.uint64)),
+])
+def test_joined_ids_of_a_bad_type_shape_or_count_get_plan_layer_reads_refusal(  # L1
+        sid: np.ndarray, did: np.ndarray) -> None:
+    """Ids a READY must not carry (floats, nested arrays, counts that differ, uint64 past
+    int64's range) are refused with exactly plan_layer_reads' words, not planned as if
+    they were ids. One-byte blocks and a huge capacity leave the range checks nothing to
+    catch, so the uint64 ids reach the type check."""
+    src = Meta((0, 0, 0), (1, 1, 1), (1, 1, 1), (0, 1, 2), 2, True)
+    dst = DestLayout((0, 0, 0), (1, 1, 1), ((1 << 64) - 1,) * 3, 2, True, False)
+    joined, apart = _joined_and_apart(src, dst, sid, did, 1)
+    assert joined == apart
+    assert isinstance(joined, str) and joined.startswith("L1: ")
+
+
+@pytest.mark.parametrize("ids", [[0, 1], (0, 1)])
+def test_joined_destination_ids_not_in_an_array_are_planned_as_plan_layer_reads_plans_them(
+        ids: object) -> None:
+    """A list or tuple of destinations (the sources an array) is taken through
+    plan_layer_reads, not read as an array's attributes."""
+    src, dst = make_pair(indexer_bytes=None, scale_bytes=None)
+    joined, apart = _joined_and_apart(src, dst, np.array([4, 5]), ids, 2)
+    assert joined == apart
+    assert isinstance(joined, tuple) and joined[2] == [8192, 8192]
+
+
+@pytest.mark.parametrize("split", [-1, 5])
+def test_a_split_outside_the_ids_cuts_them_as_slicing_does(split: int) -> None:
+    """``split`` is documented as a slice bound: one past the end puts every pair in main,
+    -1 all but the last; the plan is plan_layer_reads' of those slices."""
+    src, dst = make_pair()
+    joined, apart = _joined_and_apart(src, dst, np.array([0, 1, 2]), np.array([5, 6, 7]),
+                                      split)
+    assert joined == apart
+    assert isinstance(joined, tuple)
+
+
+def test_narrow_destination_ids_do_not_step_past_their_maximum() -> None:  # C4
+    """Destination 255 then 0 as uint8 are no run (255 + 1 must not wrap to 0), however the
+    sources continue."""
+    src, dst = make_pair(indexer_bytes=None, scale_bytes=None, num_blocks=300)
+    plan = plan_joined_reads(src, dst, np.array([7, 8], dtype=np.uint8),
+                             np.array([255, 0], dtype=np.uint8), 2)
+    want = plan_layer_reads(src, dst, [7, 8], [255, 0], [], [])
+    assert plan.lengths.tolist() == want.lengths.tolist() == [4096] * 4
+    assert plan.local_addrs.tolist() == want.local_addrs.tolist()
+
+
+def test_ids_past_2_to_the_53_keep_every_address_exact() -> None:  # L1, C4
+    """Four-byte blocks leave ids up to about 2**62 addressable: such ids must not pass
+    through floats, which would round 2**60 + 1 to 2**60 and read the wrong block."""
+    big = (1 << 60) + 1
+    src, dst = make_pair(main_bytes=(4,), indexer_bytes=None, scale_bytes=None)
+    src = Meta((0,), (4,), (1,), (0,), 1, False)
+    dst = DestLayout((0,), (4,), (big + 2,), 1, False, False)
+    plan = plan_joined_reads(src, dst, np.array([big]), np.array([big]), 1)
+    assert plan.peer_addrs.tolist() == plan.local_addrs.tolist() == [4 * big]
+
+
+def test_a_source_jump_under_stepping_destinations_breaks_every_run() -> None:  # C4
+    """Sources stepping by two under destinations stepping by one: no two blocks continue
+    each other on the source side, so each is its own descriptor."""
+    src, dst = make_pair(main_bytes=(4,), indexer_bytes=None, scale_bytes=None,
+                         num_blocks=4096)
+    n = 2000
+    plan = plan_joined_reads(src, dst, np.arange(0, 2 * n, 2), np.arange(n), n)
+    assert plan.lengths.tolist() == [4] * n
+    assert plan.peer_addrs.tolist() == [src.base_addrs[0] + 8 * i for i in range(n)]
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_tensors_abutting_mid_region_merge_into_one_descriptor(joined: bool) -> None:  # C4
+    """A layout may place V's region so that K's run of blocks 5-6 ends exactly where V's
+    run of blocks 5-6 starts, on both sides (V based 8 bytes after K): the two descriptors
+    continue each other and merge, as coalescing the per-block descriptors merges them."""
+    src = Meta((0x1000, 0x1008), (4, 4), (1, 1), (0, 1), 2, False)
+    dst = DestLayout((0x9000, 0x9008), (4, 4), (40, 40), 2, False, False)
+    if joined:
+        plan = plan_joined_reads(src, dst, np.array([5, 6]), np.array([5, 6]), 2)
+    else:
+        plan = plan_layer_reads(src, dst, [5, 6], [5, 6], [], [])
+    want = _per_block_plan(src, dst, ([5, 6], [5, 6]), ([], []))
+    assert (plan.local_addrs.tolist(), plan.peer_addrs.tolist(), plan.lengths.tolist()) == \
+        ([0x9000 + 20], [0x1000 + 20], [16]) == \
+        (want.local_addrs.tolist(), want.peer_addrs.tolist(), want.lengths.tolist())
