@@ -248,6 +248,28 @@ def test_decode_port_in_use_is_reported_within_a_second(
     assert f"P1: Decode rank 0 port 127.0.0.1:{port} is not free" in capsys.readouterr().err
 
 
+def test_the_demo_chooses_ports_the_kernel_never_hands_out_by_itself() -> None:  # P1
+    """The ranks bind the ports the parent chose a moment later; a port from the kernel's
+    ephemeral range can meanwhile become another connection's source port (a Decode rank's
+    BindError in a loaded demo loop). Spans come from below that range, every port free."""
+    from sfa_rd2h.runtime.tools.demo import run as demo_run
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for n in (1, 2, 4):
+        base = demo_run._free_span("127.0.0.1", n)
+        assert 10000 <= base and base + n - 1 < low, (base, n, low)
+        for port in range(base, base + n):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))  # still free: nothing holds it after the probe
+    taken = socket.socket()  # a span whose first port is in use is never returned
+    try:
+        taken.bind(("127.0.0.1", demo_run._free_span("127.0.0.1", 1)))
+        held = taken.getsockname()[1]
+        assert all(demo_run._free_port("127.0.0.1") != held for _ in range(200))
+    finally:
+        taken.close()
+
+
 _NOISE = r"""
 import os, select, sys
 # Another run on the same host: it keeps creating files named like ours, under its own pid.

@@ -137,18 +137,33 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f} ms"
 
 
+# The ranks bind their ports a while after the parent chose them. A port the kernel handed
+# out (bind to 0) lies in its ephemeral range, from which it also picks the source port of
+# every outgoing connection: on a loaded machine another process's connection took a
+# chosen port in that window (a Decode rank's P1 BindError in a demo loop). Ports below the
+# range are only ever taken by an explicit bind.
+_FIRST_PORT = 10000
+_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _below_ephemeral() -> range:
+    try:
+        low = int(Path(_PORT_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default start of the ephemeral range
+    return range(_FIRST_PORT, max(low, _FIRST_PORT + 1024))
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return _free_span(host, 1)
 
 
 def _free_span(host: str, n: int, attempts: int = 50) -> int:
     """A base port with ``n`` consecutive free ports (P1: base + tp_rank)."""
+    ports = _below_ephemeral()
+    rng = secrets.SystemRandom()
     for _ in range(attempts):
-        base = _free_port(host)
-        if base + n - 1 > 65535:
-            continue
+        base = rng.randrange(ports.start, ports.stop - n + 1)
         held: list[socket.socket] = []
         try:
             for port in range(base, base + n):
