@@ -55,7 +55,8 @@ _contexts_lock = threading.Lock()
 
 
 def _process_context() -> zmq.Context:
-    """The context of this process's groups (a forked child makes its own)."""
+    """The context of this process's groups (a forked child makes its own). Not
+    ``zmq.Context.instance()``: another library in the process may terminate that one."""
     with _contexts_lock:
         ctx = _contexts.get(os.getpid())
         if ctx is None:
@@ -98,21 +99,21 @@ class ZmqTpGroup(MultiRankGroup):
         wake = f"inproc://sfa-rd2h-tp-wake-{next(_wake_ids)}"
         opened: list[zmq.Socket] = []
 
-        def socket(kind: int) -> zmq.Socket:
+        def open_socket(kind: int) -> zmq.Socket:
             opened.append(self._ctx.socket(kind))
             return opened[-1]
 
         try:
-            self._wake_r = socket(zmq.PAIR)
+            self._wake_r = open_socket(zmq.PAIR)
             self._wake_r.bind(wake)
-            self._wake_w = socket(zmq.PAIR)
+            self._wake_w = open_socket(zmq.PAIR)
             self._wake_w.connect(wake)
             if rank == 0:
-                self._sock = socket(zmq.ROUTER)
+                self._sock = open_socket(zmq.ROUTER)
                 self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
                 self._sock.bind(address)
             else:
-                self._sock = socket(zmq.DEALER)
+                self._sock = open_socket(zmq.DEALER)
                 self._sock.setsockopt(zmq.IDENTITY, _identity(rank))
                 self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
                 self._sock.connect(address)

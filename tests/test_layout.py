@@ -761,15 +761,18 @@ def test_joined_planning_is_plan_layer_reads_plan_for_plan_and_refusal_for_refus
     assert joined == apart
 
 
-def test_joined_planning_does_not_step_narrow_ids_past_their_maximum() -> None:  # C4
-    """A READY whose ids all fit one byte arrives as uint8: source 255 then 0 are no run,
-    however the destinations continue."""
+@pytest.mark.parametrize(("sid", "did", "addrs"), [
+    ([255, 0], [7, 8], "peer_addrs"), ([7, 8], [255, 0], "local_addrs")])
+def test_joined_planning_does_not_step_narrow_ids_past_their_maximum(
+        sid: list[int], did: list[int], addrs: str) -> None:  # C4
+    """A READY whose ids all fit one byte arrives as uint8: 255 then 0, on either side, are
+    no run (255 + 1 must not wrap to 0), however the other side continues."""
     src, dst = make_pair(indexer_bytes=None, scale_bytes=None, num_blocks=300)
-    plan = plan_joined_reads(src, dst, np.array([255, 0], dtype=np.uint8),
-                             np.array([7, 8], dtype=np.uint8), 2)
-    assert plan.lengths.tolist() == [4096] * 4
-    assert plan.peer_addrs.tolist() == plan_layer_reads(src, dst, [255, 0], [7, 8], [], []) \
-        .peer_addrs.tolist()
+    plan = plan_joined_reads(src, dst, np.array(sid, dtype=np.uint8),
+                             np.array(did, dtype=np.uint8), 2)
+    want = plan_layer_reads(src, dst, sid, did, [], [])
+    assert plan.lengths.tolist() == want.lengths.tolist() == [4096] * 4
+    assert getattr(plan, addrs).tolist() == getattr(want, addrs).tolist()
 
 
 # ------------------------------------------------ joined planning: edges and refusals
@@ -801,8 +804,8 @@ def _no_fallback(monkeypatch: pytest.MonkeyPatch, *, proof: bool = True) -> None
         monkeypatch.setattr(layout, "_joined_distinct", proved)
 
 
-@pytest.mark.parametrize("src_type", [np.uint8, np.uint16, np.uint32, np.int32, np.int64])
-@pytest.mark.parametrize("dst_type", [np.uint8, np.uint16, np.uint32, np.int32, np.int64])
+@pytest.mark.parametrize("src_type", _ID_TYPES)
+@pytest.mark.parametrize("dst_type", _ID_TYPES)
 @pytest.mark.parametrize("split", [0, 2, 4])
 def test_valid_joined_ids_of_every_accepted_type_and_split_are_planned_without_fallback(
         monkeypatch: pytest.MonkeyPatch, src_type: type, dst_type: type, split: int) -> None:
@@ -912,17 +915,6 @@ def test_a_split_outside_the_ids_cuts_them_as_slicing_does(split: int) -> None:
                                       split)
     assert joined == apart
     assert isinstance(joined, tuple)
-
-
-def test_narrow_destination_ids_do_not_step_past_their_maximum() -> None:  # C4
-    """Destination 255 then 0 as uint8 are no run (255 + 1 must not wrap to 0), however the
-    sources continue."""
-    src, dst = make_pair(indexer_bytes=None, scale_bytes=None, num_blocks=300)
-    plan = plan_joined_reads(src, dst, np.array([7, 8], dtype=np.uint8),
-                             np.array([255, 0], dtype=np.uint8), 2)
-    want = plan_layer_reads(src, dst, [7, 8], [255, 0], [], [])
-    assert plan.lengths.tolist() == want.lengths.tolist() == [4096] * 4
-    assert plan.local_addrs.tolist() == want.local_addrs.tolist()
 
 
 def test_ids_past_2_to_the_53_keep_every_address_exact() -> None:  # L1, C4

@@ -632,11 +632,9 @@ def complete(url: str, prompt: Sequence[int] | Sequence[Sequence[int]], max_toke
     :class:`CompletionError` on an HTTP error."""
     body = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_tokens,
             "temperature": 0.0, "return_token_ids": True, "ignore_eos": True, **(extra or {})}
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 method="POST", headers=headers)
+                                 method="POST",
+                                 headers={"Content-Type": "application/json", **_bearer(token)})
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
             payload = json.loads(resp.read())
@@ -686,9 +684,13 @@ def wait_drained(server: EngineServer, deadline: float,
         time.sleep(interval)  # polling another process: nothing to await
 
 
+def _bearer(token: str | None) -> dict[str, str]:
+    return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+
 def get_json(url: str, timeout: float = 10.0, token: str | None = None) -> Any:
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-    with _OPENER.open(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+    with _OPENER.open(urllib.request.Request(url, headers=_bearer(token)),
+                      timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
