@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from .errors import VersionMismatch as VersionMismatch
 from .errors import WireError as WireError
-from .wire_decode import decode, decode_layer_metadata, layer_of
+from .wire_decode import ID_SCANNER, decode, decode_layer_metadata, layer_of
 from .wire_encode import ReadyFrames as ReadyFrames
 from .wire_encode import encode, encode_layer_metadata
 from .wire_fields import (
@@ -103,6 +103,7 @@ from .wire_messages import (
 )
 
 __all__ = [
+    "ID_SCANNER",
     "LAYOUT_VERSION",
     "LEGACY_LAYOUT_VERSION",
     "LEGACY_PROTOCOL_VERSION",

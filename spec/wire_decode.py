@@ -12,9 +12,10 @@ Pure functions: the runtime hands raw frames in and gets typed messages out (or 
   known form plus appendices are rejected rather than guessed, because guessing a missing
   destination offset or version would silently write to the wrong blocks (L1, F3).
 * **Three READY paths, one answer.** The shape Prefill writes is decoded by msgspec
-  (``_ready_fast``), a READY over ``_STREAM_BYTES`` entry by entry (``_stream_ready``),
-  anything else by the general path, which words every refusal; the first two only ever
-  change speed.
+  (``_ready_fast``), its ids read from the frame's bytes by a C scanner (``_idscan``,
+  built at install; without it by msgspec and ``array``), a READY over ``_STREAM_BYTES``
+  entry by entry (``_stream_ready``), anything else by the general path, which words
+  every refusal; the first two only ever change speed.
 
 ``layer_of`` reads the layer of a READY that failed to decode, so Decode can still answer.
 """
@@ -30,6 +31,11 @@ import msgspec
 import numpy as np
 
 from .errors import WireError
+
+try:  # built by the install where a C compiler is found (pyproject.toml, ext-modules)
+    from . import _idscan
+except ImportError:
+    _idscan = None
 from .wire_encode import READY_HEADER
 from .wire_fields import (
     INT_ONLY,
@@ -261,79 +267,105 @@ assert array("I").itemsize == 4
 
 # --- The READY as Prefill writes it, decoded by msgspec (typed, constrained, in C).
 # Every current READY is a 7-field array of 5-field entries; msgspec decodes exactly that
-# shape, with every bound the messages check (lengths, ranges, non-empty ids; bools are
-# not ints to msgspec) checked as it goes, and the ids as plain lists that ``array``
-# takes in C. Anything it refuses - or any other shape: legacy forms, W4 appendices -
-# goes to the general path below, which decides again and words any refusal, so this
-# path changes only speed: what it accepts the general path accepts as the same message.
+# shape, with every bound the messages check (lengths, ranges; bools are not ints to
+# msgspec) checked as it goes, and keeps each id list as its raw bytes, which ``_FAST``
+# turns into one flat uint32 array per field. Anything refused on the way - or any other
+# shape: legacy forms, W4 appendices - goes to the general path below, which decides again
+# and words any refusal, so this path changes only speed: what it accepts the general
+# path accepts as the same message.
 _Start = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 _ExtId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 _IdList = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_ENTRY)]
 
 
-class _ReadyEntry(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    ext_req_id: _ExtId
-    main: _IdList
-    indexer: _IdList
-    main_dest_start: _Start
-    indexer_dest_start: _Start
+def _ready_decoder(id_list: Any) -> msgspec.msgpack.Decoder:
+    """A decoder of the READY's shape whose id lists decode as ``id_list``."""
+    shape = {"array_like": True, "forbid_unknown_fields": True}
+    entry = msgspec.defstruct("ReadyEntry", [
+        ("ext_req_id", _ExtId), ("main", id_list), ("indexer", id_list),
+        ("main_dest_start", _Start), ("indexer_dest_start", _Start)], **shape)
+    ready = msgspec.defstruct("Ready", [
+        ("kind", bytes),
+        ("layer_idx", Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_IDX)]),
+        ("layer_name", Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STR_LEN)]),
+        ("read_reqs", Annotated[list[entry], msgspec.Meta(max_length=MAX_ENTRIES)]),
+        ("done_ext_ids", Annotated[list[_ExtId], msgspec.Meta(max_length=MAX_ENTRIES)]),
+        ("group_member_idx", Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_RATIO - 1)]),
+        ("tp_ratio", Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RATIO)])], **shape)
+    return msgspec.msgpack.Decoder(ready)
 
 
-class _Ready(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    kind: bytes
-    layer_idx: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_IDX)]
-    layer_name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STR_LEN)]
-    read_reqs: Annotated[list[_ReadyEntry], msgspec.Meta(max_length=MAX_ENTRIES)]
-    done_ext_ids: Annotated[list[_ExtId], msgspec.Meta(max_length=MAX_ENTRIES)]
-    group_member_idx: Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_RATIO - 1)]
-    tp_ratio: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_RATIO)]
+_IdLists = tuple[np.ndarray, list[int]]
 
 
-_READY_DECODER = msgspec.msgpack.Decoder(_Ready)
+def _ids_scanned(raws: list[msgspec.Raw]) -> _IdLists | None:
+    """The ids of ``raws`` (each list's msgpack bytes) in one read-only uint32 array and
+    each list's end in it, read in C without a Python int per id; None where a list is not
+    plainly unsigned ids within the bounds (the general path then words why)."""
+    got = _idscan.scan(raws, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)
+    if got is None:
+        return None
+    data, ends = got
+    return (np.frombuffer(data, dtype=_U32) if data else _NO_IDS), ends
 
+
+def _ids_listed(lists: list[list[int]]) -> _IdLists | None:
+    """``_ids_scanned`` where the scanner was not built, from lists msgspec decoded:
+    ``array`` takes them in C; negative ids and ids of 2**32 and over raise there, a max
+    over the array finds the rest."""
+    ids, ends = array("I"), []
+    add = ids.extend
+    try:
+        for one in lists:
+            add(one)
+            ends.append(len(ids))
+    except OverflowError:
+        return None
+    if not ids:
+        return _NO_IDS, ends
+    flat = np.frombuffer(ids, dtype=_U32)
+    if int(flat.max()) > MAX_BLOCK_ID:
+        return None
+    flat.flags.writeable = False
+    return flat, ends
+
+
+# How ``_ready_fast`` decodes and reads id lists: the ids kept raw for the C scanner, or
+# decoded as lists where it was not built. ID_SCANNER names the route for the bench.
+_SCANNED = (_ready_decoder(msgspec.Raw), _ids_scanned)
+_LISTED = (_ready_decoder(_IdList), _ids_listed)
+_FAST = _SCANNED if _idscan is not None else _LISTED
+ID_SCANNER = "c" if _idscan is not None else "python"
 
 
 def _ready_fast(payload: bytes | bytearray | memoryview) -> ReadReadyBatch | None:
     """A READY in the shape Prefill writes, or None for the general path to decide.
 
-    The ids go into two flat ``I`` arrays in C, every main list after the other and every
-    indexer list after the other, and each entry holds read-only views of them; ``array``
-    refuses negative ids and ids of 2**32 and over, a max over each array the rest."""
+    The ids go into two flat uint32 arrays, every main list after the other and every
+    indexer list after the other, and each entry holds read-only views of them."""
+    decoder, read_ids = _FAST
     try:
-        ready = _READY_DECODER.decode(payload)
+        ready = decoder.decode(payload)
     except msgspec.DecodeError:  # ValidationError too: the general path words it
         return None
     if ready.group_member_idx >= ready.tp_ratio:
         return None
     entries = ready.read_reqs
-    mains, indexers = array("I"), array("I")
-    add_main, add_indexer = mains.extend, indexers.extend
-    try:
-        for e in entries:
-            add_main(e.main)
-            add_indexer(e.indexer)
-    except OverflowError:
+    mains = read_ids([e.main for e in entries])
+    indexers = read_ids([e.indexer for e in entries]) if mains is not None else None
+    if indexers is None:
         return None
-    flat_main = np.frombuffer(mains, dtype=_U32) if mains else _NO_IDS
-    flat_indexer = np.frombuffer(indexers, dtype=_U32) if indexers else _NO_IDS
-    if (flat_main.size and int(flat_main.max()) > MAX_BLOCK_ID) or (
-            flat_indexer.size and int(flat_indexer.max()) > MAX_BLOCK_ID):
-        return None
-    flat_main.flags.writeable = False
-    flat_indexer.flags.writeable = False
+    (flat_main, main_ends), (flat_indexer, indexer_ends) = mains, indexers
     set_ext, set_main, set_indexer, set_main_start, set_indexer_start, set_given = READ_REQ_SETTERS
     new = object.__new__
     reqs = []
     at_main = at_indexer = 0
-    for e in entries:
+    for e, main_end, indexer_end in zip(entries, main_ends, indexer_ends, strict=True):
         req = new(ReadReq)
         set_ext(req, e.ext_req_id)
-        end = at_main + len(e.main)
-        set_main(req, flat_main[at_main:end])
-        at_main = end
-        end = at_indexer + len(e.indexer)
-        set_indexer(req, flat_indexer[at_indexer:end])
-        at_indexer = end
+        set_main(req, flat_main[at_main:main_end])
+        set_indexer(req, flat_indexer[at_indexer:indexer_end])
+        at_main, at_indexer = main_end, indexer_end
         set_main_start(req, e.main_dest_start)
         set_indexer_start(req, e.indexer_dest_start)
         set_given(req, None)

@@ -18,6 +18,7 @@ from sfa_rd2h.spec.errors import VersionMismatch, WireError
 from sfa_rd2h.spec.wire import (
     LAYOUT_VERSION,
     MAX_BLOCK_ID,
+    MAX_BLOCKS_PER_ENTRY,
     MAX_ERROR_LEN,
     MAX_FRAME_BYTES,
     MAX_ID_LEN,
@@ -1208,12 +1209,89 @@ _edge_ids = st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, MAX_BLOCK_I
                              True, False, 1.0, "1", None, b"\x01", [1]])
 
 
+# the two ways the fast path reads id lists: the C scanner, and msgspec + array without it
+_FAST_ROUTES = {"c": wire_decode._SCANNED, "python": wire_decode._LISTED}
+if wire_decode._idscan is None:
+    del _FAST_ROUTES["c"]  # test_the_id_scanner_is_built_where_setup_built_it says why
+
+
+def test_the_id_scanner_is_built_where_setup_built_it() -> None:
+    """.ci/setup builds the scanner and leaves a marker; a checkout set up that way must
+    decode with it, never fall back to the slower route unnoticed."""
+    from pathlib import Path
+
+    marker = Path(__file__).resolve().parents[1] / ".venv" / ".sfa_rd2h_idscan"
+    if not marker.exists():
+        pytest.skip("this venv was not made by .ci/setup, which builds the id scanner")
+    assert wire_decode.ID_SCANNER == "c", "the C id scanner (spec/_idscan.c) is not built"
+
+
+def _scan(lists: list[bytes]) -> tuple[list[int], list[int]] | None:
+    got = wire_decode._idscan.scan(lists, MAX_BLOCK_ID, MAX_BLOCKS_PER_ENTRY)
+    if got is None:
+        return None
+    return np.frombuffer(got[0], dtype=np.uint32).tolist(), got[1]
+
+
+@pytest.mark.skipif(wire_decode._idscan is None, reason="the C id scanner is not built")
+def test_the_scanner_reads_every_unsigned_form_and_passes_on_every_other() -> None:  # W2
+    """Each unsigned width msgpack has, at its edges, is read as its value; signed forms of
+    the same values, other types, ids past MAX_BLOCK_ID, short and overlong lists are left
+    to the general path (None), which accepts or refuses them with its own words."""
+    edges = [0, 127, 128, 255, 256, 65535, 65536, MAX_BLOCK_ID]
+    one_list = msgpack.packb(edges)
+    assert _scan([one_list, msgpack.packb([]), msgpack.packb([5])]) == (
+        [*edges, 5], [len(edges), len(edges), len(edges) + 1])
+    assert _scan([]) == ([], [])
+    # 16- and 32-bit array headers, and an id packed in the 64-bit form
+    assert _scan([msgpack.packb(list(range(20)))]) == (list(range(20)), [20])
+    assert _scan([b"\xdd\x00\x00\x00\x01\xcf" + (7).to_bytes(8, "big")]) == ([7], [1])
+    assert _scan([b"\xdc\x00\x02\x01\x02"]) == ([1, 2], [2])
+    passed_on = [
+        b"\x91\xd0\x05",  # int 8 holding 5: a legal int, but not a form Prefill writes
+        b"\x91\xff",  # negative fixint -1
+        b"\x91\xc3",  # True
+        b"\x91\xc0",  # nil
+        b"\x91\xca\x00\x00\x00\x00",  # float 32
+        b"\x91\xa11",  # the string "1"
+        b"\x91\xce\x80\x00\x00\x00",  # MAX_BLOCK_ID + 1
+        b"\x91\xcf\x00\x00\x00\x01\x00\x00\x00\x00",  # 2**32
+        b"\x92\x01",  # says two ids, holds one
+        b"\x91\x01\x02",  # one id and a stray byte
+        b"\x91\xcd\x01",  # an id cut short
+        b"\xdd\xff\xff\xff\xff\x01",  # 4 billion ids declared in 6 bytes
+        b"\xa3abc",  # a string, not a list
+        b"",
+    ]
+    for raw in passed_on:
+        assert _scan([one_list, raw]) is None, raw
+    over = msgpack.packb(list(range(3)))
+    assert wire_decode._idscan.scan([over], MAX_BLOCK_ID, 2) is None
+    with pytest.raises(TypeError):
+        wire_decode._idscan.scan([[1, 2]], MAX_BLOCK_ID, 2)
+
+
+@FAST
+@given(ids=st.lists(st.lists(st.integers(0, MAX_BLOCK_ID), max_size=40), max_size=6))
+def test_property_both_id_readers_agree_with_msgpack(ids: list[list[int]]) -> None:  # W2
+    raws = [msgpack.packb(one) for one in ids]
+    flat = [i for one in ids for i in one]
+    ends = np.cumsum([len(one) for one in ids], dtype=int).tolist()
+    readers = [wire_decode._ids_listed(ids)]
+    if "c" in _FAST_ROUTES:
+        readers.append(wire_decode._ids_scanned(raws))
+    for got, got_ends in readers:
+        assert got.tolist() == flat and got_ends == ends and got.dtype == np.uint32
+        assert not got.flags.writeable
+
+
 @FAST
 @given(st.data())
 def test_property_fast_ready_path_accepts_only_what_the_general_path_accepts(
         data: st.DataObject) -> None:  # W2, W5
     """The msgspec path (``_ready_fast``) takes a READY only when the general path takes it
-    too, as the same message; every offence it passes on is worded by the general path."""
+    too, as the same message; every offence it passes on is worded by the general path.
+    Both ways of reading its ids (``_FAST_ROUTES``) are held to that."""
     entries = [[f"r{i}", data.draw(_block_ids), data.draw(_block_ids),
                 data.draw(st.integers(0, MAX_BLOCK_ID)), data.draw(st.integers(0, 9))]
                for i in range(data.draw(st.integers(0, 3)))]
@@ -1229,7 +1307,10 @@ def test_property_fast_ready_path_accepts_only_what_the_general_path_accepts(
     elif where == "append" and entries:
         entries[0].append(data.draw(values))
     frame = pack(fields)
-    fast = wire_decode._ready_fast(frame)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wire_decode, "_FAST", _FAST_ROUTES[data.draw(st.sampled_from(
+            sorted(_FAST_ROUTES)))])
+        fast = wire_decode._ready_fast(frame)
     if where == "none":
         assert fast is not None  # Prefill's own shape takes the fast path
     try:

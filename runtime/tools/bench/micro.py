@@ -191,7 +191,7 @@ def bench_wire(sizes: Sizes) -> Result:
         f"READY {sizes.wire_entries} entries x 2x{sizes.wire_ids} ids ({len(frame)} B); "
         "vs plain msgpack",
         {"verified": True, "entries": sizes.wire_entries, "ids_per_list": sizes.wire_ids,
-         "frame_bytes": len(frame),
+         "frame_bytes": len(frame), "id_scanner": wire.ID_SCANNER,
          "baseline": "msgpack.unpackb(msgpack.packb(fields)), no validation", **info})
 
 
@@ -342,7 +342,8 @@ def _decode_core_layer(sizes: Sizes, requests: int, name: str) -> Result:
         "vs wire.decode alone",
         {"verified": True, "requests": requests, "blocks": sizes.blocks,
          "project_us_per_request": med / requests * 1e6,
-         "baseline": "wire.decode of the same READY frame", **info})
+         "baseline": "wire.decode of the same READY frame", "id_scanner": wire.ID_SCANNER,
+         **info})
 
 
 
