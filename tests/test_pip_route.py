@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def test_plain_pip_install_runs_demo_check_and_mutants_without_torch(tmp_path: P
     for name in SOURCES:  # a copy, so the build writes nothing into the checkout
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, src / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so"))
         else:
             src.mkdir(exist_ok=True)
             shutil.copy2(REPO / name, src / name)
@@ -47,6 +48,11 @@ def test_plain_pip_install_runs_demo_check_and_mutants_without_torch(tmp_path: P
 
     no_torch = _run([str(venv / "bin" / "python"), "-c", "import torch"], tmp_path, 60)
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
+    # where pip finds a compiler it builds the READY id scanner; without one, the other route
+    scanner = _run([str(venv / "bin" / "python"), "-c",
+                    "from sfa_rd2h.spec import wire; print(wire.ID_SCANNER)"], tmp_path, 60)
+    builds = shutil.which("gcc") and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
+    assert scanner.stdout.strip() == ("c" if builds else "python"), scanner
 
     exe = str(venv / "bin" / "sfa-rd2h")
     demo = _run([exe, "demo", "--requests", "4", "--layers", "4", "--json"], tmp_path, 120)
