@@ -541,7 +541,8 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
     main, indexer = _group_limits(s, dst)
     if indexer is None:  # a layer without indexer reads none of those ids (legacy entries)
         src_ids, dst_ids = src_ids[:split], dst_ids[:split]
-    n = src_ids.size
+    # a source list that is no array is refused just below, whatever n says
+    n = src_ids.size if isinstance(src_ids, np.ndarray) else -1
 
     def refuse() -> ReadPlan:
         return plan_layer_reads(src, dst, src_ids[:split], dst_ids[:split],

@@ -895,13 +895,15 @@ def test_joined_ids_of_a_bad_type_shape_or_count_get_plan_layer_reads_refusal(  
     assert isinstance(joined, str) and joined.startswith("L1: ")
 
 
+@pytest.mark.parametrize("side", ["source", "destination"])
 @pytest.mark.parametrize("ids", [[0, 1], (0, 1)])
-def test_joined_destination_ids_not_in_an_array_are_planned_as_plan_layer_reads_plans_them(
-        ids: object) -> None:
-    """A list or tuple of destinations (the sources an array) is taken through
-    plan_layer_reads, not read as an array's attributes."""
+def test_joined_ids_not_in_an_array_are_planned_as_plan_layer_reads_plans_them(
+        ids: object, side: str) -> None:
+    """A list or tuple of sources or of destinations (the other side an array) is taken
+    through plan_layer_reads, not read as an array's attributes."""
     src, dst = make_pair(indexer_bytes=None, scale_bytes=None)
-    joined, apart = _joined_and_apart(src, dst, np.array([4, 5]), ids, 2)
+    sid, did = (ids, np.array([4, 5])) if side == "source" else (np.array([4, 5]), ids)
+    joined, apart = _joined_and_apart(src, dst, sid, did, 2)
     assert joined == apart
     assert isinstance(joined, tuple) and joined[2] == [8192, 8192]
 
