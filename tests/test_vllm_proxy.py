@@ -5,6 +5,9 @@ client as an HTTP error within its deadline."""
 from __future__ import annotations
 
 import json
+import selectors
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -291,25 +294,80 @@ def test_wildcard_host_needs_an_advertised_address():
     assert proxy.prefill == ["http://p:1"] and proxy.decode == ["http://d:2"]
 
 
-def test_pooled_engine_connections_expire_before_vllm_closes_them() -> None:
-    """A request sent on a pooled connection the engine's server is closing that instant is
-    reset, and the client gets a 502 from a healthy engine (seen under load: both sides used
-    5 s). The proxy must drop an idle connection before vLLM's API server would."""
-    import vllm.envs
+class _ClosingAfterOneAnswer:
+    """A TCP relay in front of a fake engine that behaves like a server closing an idle
+    keep-alive connection at the instant the next request arrives: each connection carries
+    its first request and answer through, and the next bytes the client sends on it are
+    answered with a reset (RST), as uvicorn's close with unread data gives."""
 
-    from sfa_rd2h.runtime.vllm import proxy as proxy_module
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.connections = 0
+        self.resets = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    server_idle_close = vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
-    assert proxy_module.KEEPALIVE_EXPIRY_S <= server_idle_close / 2, (
-        proxy_module.KEEPALIVE_EXPIRY_S, server_idle_close)
-    b = Backends().start()
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self._upstream)
+        answered = False
+        with selectors.DefaultSelector() as sel, client, upstream:
+            sel.register(client, selectors.EVENT_READ)
+            sel.register(upstream, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                    if not data:
+                        return
+                    if key.fileobj is upstream:
+                        answered = True
+                        client.sendall(data)
+                    elif answered:  # a second request on this connection
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                          struct.pack("ii", 1, 0))
+                        with self._lock:
+                            self.resets += 1
+                        return
+                    else:
+                        upstream.sendall(data)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_every_engine_call_has_a_connection_of_its_own(backends) -> None:
+    """A completion call sent on a pooled connection the engine closes that instant is
+    reset, and the proxy cannot retry it (the prompt may already run): seen under load as a
+    502 from a healthy Prefill. Behind engines that reset every reused connection, each of
+    several completions in a row must still succeed, each call on a fresh connection."""
+    assert backends.prefill is not None and backends.decode is not None
+    prefill = _ClosingAfterOneAnswer(backends.prefill.url)
+    decode = _ClosingAfterOneAnswer(backends.decode.url)
+    proxy = DisaggProxy([prefill.url], [decode.url])
+    proxy.start()
     try:
-        proxy = make_proxy(b)
-        try:
-            assert proxy._client is not None
-            pool = proxy._client._transport._pool  # httpx's connection pool (httpcore)
-            assert pool._keepalive_expiry == proxy_module.KEEPALIVE_EXPIRY_S
-        finally:
-            proxy.close()
+        for n in range(4):
+            prompt = [7, n, 3]
+            r = complete(proxy, {"model": "m", "prompt": prompt, "max_tokens": 3})
+            assert r.status_code == 200, (n, r.text)
+            assert r.json()["choices"][0]["token_ids"] == fake_tokens(prompt, 3)
+        models = httpx.get(f"{proxy.url}/v1/models", timeout=10, trust_env=False)
+        assert models.status_code == 200, models.text
     finally:
-        b.close()
+        proxy.close()
+        prefill.close()
+        decode.close()
+    assert (prefill.resets, decode.resets) == (0, 0)
+    assert (prefill.connections, decode.connections) == (4, 5)

@@ -76,12 +76,16 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0  # start(): uvicorn accepting requests
 CLOSE_TIMEOUT_S = 10.0  # close(): one deadline for in-flight completions, uvicorn and its thread
 CONNECT_TIMEOUT_S = 5.0  # one TCP connect to a Prefill or Decode engine
-#: An idle pooled connection to an engine is dropped after this. vLLM's API server (uvicorn)
-#: closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default, and httpx's
-#: own default is also 5 s: a request sent on a connection the server is closing that
-#: instant gets a reset (``ReadError``) and the client a 502 for a healthy engine. Seen
-#: under load; dropping ours well before theirs closes that window.
-KEEPALIVE_EXPIRY_S = 2.0
+#: Every call to an engine goes on a connection of its own, closed when its answer ends. A
+#: call sent on a pooled connection that the engine's server (uvicorn) is closing that
+#: instant is reset, and neither completion call can be retried then: the engine may have
+#: taken the request, and a prompt must not run twice. Expiring pooled connections before
+#: uvicorn's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) narrows that window but a stall
+#: between the two clocks reopens it, and a reset on a healthy Prefill was still seen under
+#: load. One TCP handshake per call is the price; the client leaves one socket in TIME_WAIT
+#: per call, which bounds a single engine at roughly ip_local_port_range / 60 s calls a
+#: second (about 470 with Linux's defaults), far above what one engine serves.
+KEEPALIVE_CONNECTIONS = 0
 MODELS_TIMEOUT_S = 10.0  # the /v1/models lookup forwarded to Decode
 GRACEFUL_SHUTDOWN_S = 5  # uvicorn's own graceful-shutdown bound (close() lowers it to fit)
 REAP_SLACK_S = 1.0  # a job nobody iterates is reaped this long after its deadline
@@ -365,8 +369,8 @@ class DisaggProxy:
             self._client = httpx.AsyncClient(
                 trust_env=False,
                 timeout=httpx.Timeout(self.request_timeout_s, connect=CONNECT_TIMEOUT_S),
-                limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64,
-                                    keepalive_expiry=KEEPALIVE_EXPIRY_S))
+                limits=httpx.Limits(max_connections=4096,
+                                    max_keepalive_connections=KEEPALIVE_CONNECTIONS))
             self._started.set()
             try:
                 yield
