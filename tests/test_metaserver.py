@@ -33,6 +33,7 @@ from sfa_rd2h.runtime.metaserver import (
     post_rendezvous,
     report_finished,
 )
+from sfa_rd2h.runtime.ports import free_port
 from sfa_rd2h.spec.errors import ProtocolError
 from sfa_rd2h.spec.wire import MAX_ID_LEN
 
@@ -79,12 +80,6 @@ def _raw(
 ) -> tuple[int, Any]:
     status, _, raw = _response(url, method, path, body, headers)
     return status, json.loads(raw)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -400,7 +395,7 @@ def test_long_poll_times_out_empty_and_close_is_bounded() -> None:
 
 
 def test_f1_retries_refused_then_succeeds_when_server_comes_up() -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/v1/metaserver"
     servers: list[ProxyServer] = []
     delays: list[float] = []
@@ -423,7 +418,7 @@ def test_f1_retries_refused_then_succeeds_when_server_comes_up() -> None:
 
 
 def test_f1_gives_up_after_retries_with_exponential_backoff() -> None:
-    url = f"http://127.0.0.1:{_free_port()}/v1/metaserver"
+    url = f"http://127.0.0.1:{free_port()}/v1/metaserver"
     delays: list[float] = []
     with pytest.raises(MetaserverUnreachable, match="after 4 attempt") as info:
         post_rendezvous(url, _rdv("r-0"), retries=3, backoff=0.5, sleep=delays.append)
@@ -1017,7 +1012,7 @@ def test_post_rendezvous_defaults_arguments_and_logging(
         caplog: pytest.LogCaptureFixture) -> None:
     """F1 defaults: 6 attempts (5 retries) 0.05 s apart, doubling; every failed attempt
     and an error answer are logged with the URL."""
-    url = f"http://127.0.0.1:{_free_port()}/v1/metaserver"
+    url = f"http://127.0.0.1:{free_port()}/v1/metaserver"
     delays: list[float] = []
     caplog.set_level(logging.INFO, logger=metaserver.__name__)
     with pytest.raises(MetaserverUnreachable):
@@ -1209,7 +1204,7 @@ def test_each_request_is_a_debug_line_naming_the_client(
 
 
 def test_clients_take_http_and_https_urls_with_a_host_only() -> None:
-    port = _free_port()
+    port = free_port()
     for url in (f"https://127.0.0.1:{port}/v1/metaserver", f"http://127.0.0.1:{port}/x"):
         with pytest.raises(MetaserverUnreachable):  # accepted, then nothing listens
             post_rendezvous(url, _rdv("r-0"), retries=0)
@@ -1312,7 +1307,7 @@ def test_a_start_that_fails_after_binding_releases_the_port_and_close_returns(
     """The serving thread cannot start (the process is out of threads): start() raises,
     the port it bound is free again, and close() returns instead of waiting in shutdown()
     for a serve_forever that never ran."""
-    port = _free_port()
+    port = free_port()
     proxy = ProxyServer(port=port)
 
     def no_thread(self: threading.Thread) -> None:

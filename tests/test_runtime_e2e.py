@@ -265,7 +265,7 @@ def test_the_demo_chooses_ports_the_kernel_never_hands_out_by_itself() -> None: 
     try:
         taken.bind(("127.0.0.1", demo_run._free_span("127.0.0.1", 1)))
         held = taken.getsockname()[1]
-        assert all(demo_run._free_port("127.0.0.1") != held for _ in range(200))
+        assert all(demo_run._free_span("127.0.0.1", 1) != held for _ in range(200))
     finally:
         taken.close()
 

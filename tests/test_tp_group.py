@@ -16,17 +16,12 @@ from typing import Any
 
 import pytest
 
+from sfa_rd2h.runtime.ports import free_port
 from sfa_rd2h.runtime.tp_group import GlooTpGroup, SingleRankGroup, TpGroupError
 from sfa_rd2h.runtime.zmq_tp_group import ZmqTpGroup
 
 WORLD = 3
 WAIT = 60.0  # bound on awaiting the workers; they finish in a few seconds
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Per round, what each rank reports, and what every rank must get back.
@@ -84,7 +79,7 @@ def _worker(rank: int, port: int, port2: int, out: Any) -> None:
 def test_three_processes_agree_over_gloo() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port, port2 = _free_port(), _free_port()
+    port, port2 = free_port(), free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, port2, out)) for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -192,7 +187,7 @@ def _deserter(rank: int, port: int, out: Any) -> None:
 def test_missing_peer_raises_instead_of_hanging() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_deserter, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
@@ -249,7 +244,7 @@ def _run_ranks(target: Any, n: int) -> dict[int, Any]:
 
 def test_three_ranks_agree_over_zmq_exactly_as_over_gloo() -> None:
     """The same rounds as the gloo test, the same answers, without torch (R1, R2)."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
 
     def rank_main(rank: int) -> list[Any]:
         with ZmqTpGroup(rank, WORLD, address, timeout=30) as group:
@@ -277,7 +272,7 @@ def test_zmq_group_works_in_a_process_without_torch(tmp_path: Any) -> None:
         "import sys; sys.modules['torch'] = None\n"  # any import of torch now fails
         "import threading\n"
         "from sfa_rd2h.runtime.zmq_tp_group import ZmqTpGroup\n"
-        f"addr = 'tcp://127.0.0.1:{_free_port()}'\n"
+        f"addr = 'tcp://127.0.0.1:{free_port()}'\n"
         "out = {}\n"
         "def run(r):\n"
         "    with ZmqTpGroup(r, 2, addr, timeout=20) as g:\n"
@@ -293,7 +288,7 @@ def test_zmq_group_works_in_a_process_without_torch(tmp_path: Any) -> None:
 
 
 def test_zmq_missing_peer_raises_within_the_timeout() -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     with ZmqTpGroup(0, 2, address, timeout=0.5) as group:
         t0 = time.monotonic()
         with pytest.raises(TpGroupError, match=r"rank 0: no contribution from rank\(s\) \[1\]"):
@@ -306,7 +301,7 @@ def test_zmq_missing_peer_raises_within_the_timeout() -> None:
 def test_zmq_rank_that_aborts_fails_the_others_at_once() -> None:
     """close() says goodbye: the peer's pending collective fails now, not at its timeout,
     and close() from another thread wakes a collective waiting on this one."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     root = ZmqTpGroup(0, 2, address, timeout=30)
     member = ZmqTpGroup(1, 2, address, timeout=30)
     try:
@@ -353,7 +348,7 @@ def test_zmq_group_ignores_a_stray_connection() -> None:
     """Something else connecting to rank 0's port cannot take a rank's place."""
     import zmq
 
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.Context()
     stray = ctx.socket(zmq.DEALER)
     stray.setsockopt(zmq.IDENTITY, b"r7")
@@ -384,7 +379,7 @@ def test_zmq_groups_close_without_terminating_anything() -> None:
 
     before = {t.ident for t in threading.enumerate()}
     for i in range(10):
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         got = _run_ranks(
             lambda r, i=i, at=address: _agree_once(ZmqTpGroup(r, 2, at, timeout=20),
                                                    {f"q{i}": True}), 2)
@@ -470,7 +465,7 @@ def test_closing_a_gloo_group_mid_round_does_not_break_the_round() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     closed = ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_closes_mid_round, args=(r, port, closed, out))
              for r in range(2)]
     for p in procs:
@@ -501,7 +496,7 @@ def test_a_one_rank_gloo_group_in_this_process(monkeypatch: pytest.MonkeyPatch) 
     naming that cause; a timeout below one second is a valid timeout."""
     import torch.distributed as dist
 
-    group = GlooTpGroup(0, 1, f"tcp://127.0.0.1:{_free_port()}", timeout=0.5)
+    group = GlooTpGroup(0, 1, f"tcp://127.0.0.1:{free_port()}", timeout=0.5)
     try:
         assert dist.is_initialized()
         assert group.agree({"a": True, "b": False}) == {"a": True, "b": False}
@@ -526,7 +521,7 @@ def test_a_gloo_group_remembers_as_many_agreed_ids_as_it_is_told() -> None:
     pushed out by a newer one is agreed again instead of being ignored as late."""
     import torch.distributed as dist
 
-    group = GlooTpGroup(0, 1, f"tcp://127.0.0.1:{_free_port()}", done_memory=1)
+    group = GlooTpGroup(0, 1, f"tcp://127.0.0.1:{free_port()}", done_memory=1)
     try:
         assert group.agree({"a": True}) == {"a": True}
         assert group.agree({"a": False}) == {} and group.late_reports == 1  # remembered
@@ -632,7 +627,7 @@ def _run_procs(target: Any, n: int, *args: Any) -> dict[int, Any]:
 
 
 def test_gloo_agreement_runs_over_the_given_group_only() -> None:
-    got = _run_procs(_subgroup_rank, 3, _free_port())
+    got = _run_procs(_subgroup_rank, 3, free_port())
     assert got[0] == "outside"
     # only the id both members reported is agreed ("only1"/"only2" wait for the other
     # member); the outsider, global rank 0, was never part of a round
@@ -642,7 +637,7 @@ def test_gloo_agreement_runs_over_the_given_group_only() -> None:
 def test_gloo_round_with_a_silent_peer_fails_at_the_timeout() -> None:
     """A peer that is alive but never joins: the round fails after the group's timeout
     (2 s here), not torch's default of many minutes."""
-    got = _run_procs(_silent_peer, 2, _free_port(), _EVENT)
+    got = _run_procs(_silent_peer, 2, free_port(), _EVENT)
     error, seconds = got[0]
     assert error.startswith("TP all-gather failed on rank 0"), error
     assert 1.5 < seconds < 15.0, seconds
@@ -663,7 +658,7 @@ def test_gloo_group_inside_an_existing_torch_distributed_setup() -> None:
             r"^init_method is required when torch.distributed is not initialised \(e\.g\. "
             r"'tcp://127\.0\.0\.1:29500'\)$")):
         GlooTpGroup(0, 1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         with pytest.raises(ValueError, match=(

@@ -79,20 +79,6 @@ def test_connector_stats_sum_the_log_lines():
     assert stats["slowest_layer_read_ms"] == 5.0
 
 
-def test_launch_ports_are_free_distinct_and_below_the_ephemeral_range():
-    """An ephemeral port can be handed to another process's port-0 listener or outgoing
-    connection before the engine binds it; the launcher picks below that range."""
-    import socket
-
-    low, _ = launch._ephemeral_range()
-    ports = launch.free_ports(8, seed=1)
-    assert len(set(ports)) == 8
-    assert all(1024 <= p < low for p in ports)
-    for p in ports:  # each can be bound once chosen
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", p))
-
-
 def test_engines_get_a_core_each_or_none_is_pinned(monkeypatch):
     """Never two engines pinned to one core: a vLLM worker spinning on sched_yield starves
     a runnable worker pinned beside it (the e2e's stall). With enough cores each engine

@@ -19,7 +19,6 @@ metaserver's condition, on ``wait_for_recv`` (a local outcome is ready) and on
 from __future__ import annotations
 
 import json
-import random
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -60,6 +59,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from sfa_rd2h.runtime.metaserver import Rendezvous  # noqa: E402
+from sfa_rd2h.runtime.ports import free_port  # noqa: E402
 from sfa_rd2h.runtime.vllm.config import ConnectorConfigError  # noqa: E402
 from sfa_rd2h.runtime.vllm.metadata import Rd2hStats, external_id  # noqa: E402
 from sfa_rd2h.spec import wire  # noqa: E402
@@ -150,22 +150,6 @@ def metaserver() -> Iterator[Metaserver]:
     m = Metaserver()
     yield m
     m.close()
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range, as a deployment's kv_port is: a port the kernel
-    just handed out and took back could be handed to the next listener on port 0 (say a
-    transfer engine's) before the Decode ROUTER binds it."""
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    start = random.randrange(10000, low - 1000)
-    for port in range(start, start + 1000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port below the ephemeral range")
 
 
 # ============================================================================ one side

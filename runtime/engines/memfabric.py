@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from sfa_rd2h.runtime import ports
 from sfa_rd2h.runtime.engines.base import (
     EngineConfigError,
     EngineError,
@@ -116,16 +116,6 @@ _BINDING: _Binding | None = None
 _BINDING_LOCK = threading.Lock()
 
 
-def _free_port(host: str) -> int:
-    # memfabric takes the session port as input rather than choosing one; asking the kernel
-    # for a free port leaves a small window before the library binds it, as every
-    # caller-chosen-port library does.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _last_error(module: ModuleType) -> str:
     getter = getattr(module, "get_last_err_msg", None)
     if getter is None:
@@ -198,7 +188,7 @@ class MemFabricEngine(TransferEngine):
                     f"MemFabric needs its config-store URL: pass store_url= or set "
                     f"{STORE_URL_ENV} (e.g. tcp://10.0.0.1:6650)"
                 )
-            port = int(port) or _free_port(host)
+            port = int(port) or ports.free_port(host)
             session = f"{host}:{port}"
             engine = self._module.TransferEngine()
             try:

@@ -27,10 +27,8 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from sfa_rd2h.runtime.ports import free_ports
 
 CONNECTOR = "SfaRemoteD2HConnector"
 CONNECTOR_MODULE = "sfa_rd2h.runtime.vllm"
@@ -162,46 +162,6 @@ class EngineOptions:
                 "block_size": self.block_size,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_num_seqs": self.max_num_seqs, "enable_chunked_prefill": True}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_ports(n: int, host: str = "127.0.0.1", seed: int | None = None) -> list[int]:
-    """``n`` distinct free ports below the kernel's ephemeral range, all held until every
-    one is chosen. Below it, no port-0 listener and no outgoing connection of another
-    process can be handed the port between now and the engine binding it (the README's
-    advice for ``kv_port``, followed here too)."""
-    low, _ = _ephemeral_range()
-    candidates = list(range(max(1024, low - 12288), low))
-    random.Random(seed).shuffle(candidates)
-    socks: list[socket.socket] = []
-    try:
-        for port in candidates:
-            s = socket.socket()
-            try:
-                s.bind((host, port))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-            if len(socks) == n:
-                return [int(x.getsockname()[1]) for x in socks]
-        raise EngineError(f"fewer than {n} free ports in {low - 12288}-{low - 1} on {host}")
-    finally:
-        for s in socks:
-            s.close()
 
 
 def kv_transfer_config(role: str, *, kv_port: int, host: str = "127.0.0.1",

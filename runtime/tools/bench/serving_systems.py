@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sfa_rd2h.runtime.ports import free_ports
 from sfa_rd2h.runtime.tools.bench.serving_load import Req, send, send_pd
 
 SYSTEMS = ("single", "sfa", "example", "nixl")
@@ -269,7 +270,7 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
     def launch_peer(name: str) -> None:
         shared = tempfile.mkdtemp(prefix=f"{name}-kv-", dir=logs) \
             if name == "example" else None
-        http = launch.free_ports(4)
+        http = free_ports(4)
         p_cfg, d_cfg, p_env, d_env, params = _peer_configs(name, http[2:], shared)
         p_opts = example_options(opts) if name == "example" else opts
         pre = launch.launch_engine(f"{name}-prefill", p_opts, port=http[0], log_dir=logs,
@@ -290,7 +291,7 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
         # Two waves, single and sfa first, then the peers: seven engines starting at
         # once on this 24 GiB machine got one of them killed by the kernel's OOM killer.
         if "single" in names:
-            port = launch.free_ports(1)[0]
+            port = free_ports(1)[0]
             server = launch.launch_engine("single", opts, port=port, log_dir=logs,
                                           cpu_bind=binds["single"][0], env=env,
                                           whole_engine=whole)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from sfa_rd2h.runtime import shm
+from sfa_rd2h.runtime import ports, shm
 from sfa_rd2h.runtime.engines import (
     EngineError,
     make_engine,
@@ -137,46 +137,13 @@ def _ms(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f} ms"
 
 
-# The ranks bind their ports a while after the parent chose them. A port the kernel handed
-# out (bind to 0) lies in its ephemeral range, from which it also picks the source port of
-# every outgoing connection: on a loaded machine another process's connection took a
-# chosen port in that window (a Decode rank's P1 BindError in a demo loop). Ports below the
-# range are only ever taken by an explicit bind.
-_FIRST_PORT = 10000
-_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def _below_ephemeral() -> range:
+def _free_span(host: str, n: int) -> int:
+    """A base port with ``n`` consecutive free ports below the ephemeral range (P1: base +
+    tp_rank): the ranks bind them a moment after the parent chose them."""
     try:
-        low = int(Path(_PORT_RANGE).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default start of the ephemeral range
-    return range(_FIRST_PORT, max(low, _FIRST_PORT + 1024))
-
-
-def _free_port(host: str) -> int:
-    return _free_span(host, 1)
-
-
-def _free_span(host: str, n: int, attempts: int = 50) -> int:
-    """A base port with ``n`` consecutive free ports (P1: base + tp_rank)."""
-    ports = _below_ephemeral()
-    rng = secrets.SystemRandom()
-    for _ in range(attempts):
-        base = rng.randrange(ports.start, ports.stop - n + 1)
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise DemoConfigError(f"P1: no span of {n} free ports found on {host}")
+        return ports.free_span(host, n)
+    except ports.NoFreePort as exc:
+        raise DemoConfigError(f"P1: {exc}") from None
 
 
 def _check_ports_free(host: str, base: int, n: int) -> None:
@@ -433,7 +400,7 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
             if cfg.inject == "metaserver-down":
                 relay = in_netns(proxy_ns, lambda: FlakyRelay(at["proxy"], proxy.metaserver_url,
                                                               METASERVER_CUTS))
-            tp_port = in_netns(decode_ns, lambda: _free_port(at["decode"]))
+            tp_port = in_netns(decode_ns, lambda: _free_span(at["decode"], 1))
             plan = Plan(cfg, work.index, work.tokens, work.victim, total_blocks + 1, d_blocks,
                         proxy_url, base_port, tp_port, pool_path, trace_dir,
                         log_dir, metaserver_url=relay.url if relay is not None else None,
