@@ -132,6 +132,30 @@ def _poll_ms(deadline: float | None, now: float) -> int:
     return max(0, math.ceil((deadline - now) * 1000))
 
 
+#: The least time a worker's close gives ``Context.term()``: term waits out each socket's
+#: linger (ROUTER_LINGER_MS) and the reaper, which takes milliseconds when all is well.
+TERM_MIN_S = 2.0
+
+
+def terminate_within(ctx: zmq.Context, timeout: float, what: str) -> bool:
+    """``ctx.term()`` on a thread of its own, waited for ``timeout``; True when it ended.
+
+    term() returns once libzmq has reaped every socket of the context, and a TP group's
+    context was caught never finishing that (a closed ROUTER left unreaped under load; see
+    runtime/zmq_tp_group.py). All the workers' sockets are closed by now, so nothing is lost
+    by not waiting: a term that does not end is logged and left to finish or to die with
+    the process, rather than wedging the caller's shutdown (vLLM's, in a connector).
+    """
+    thread = threading.Thread(target=ctx.term, name=f"{what} zmq-term", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.warning("%s: zmq Context.term() did not end within %.1fs (libzmq still reaping "
+                    "a closed socket); left running, shutdown goes on", what, timeout)
+        return False
+    return True
+
+
 class _Wake:
     """An inproc PAIR: any thread rings, the I/O thread polls the other end."""
 
@@ -285,7 +309,7 @@ class _Worker:
             # context cannot be terminated under it.
             raise ControlPlaneError(f"{self._what} did not stop within {timeout}s")
         if self._own_ctx and not self._ctx.closed:
-            self._ctx.term()
+            terminate_within(self._ctx, max(TERM_MIN_S, timeout), self._what)
 
     def __enter__(self) -> _Worker:
         return self
@@ -811,7 +835,7 @@ class DecodeWorker(_Worker):
             self._wake.close_tx()
             self._wake.rx.close(linger=0)
             if self._own_ctx:
-                self._ctx.term()
+                terminate_within(self._ctx, TERM_MIN_S, f"decode {core.d_rank}")
             raise BindError(f"Decode rank {core.d_rank} cannot bind its ROUTER on {addr} "
                             f"(P1): {exc.strerror}") from exc
         bound = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ from sfa_rd2h.runtime.control import (
     DecodeWorker,
     LayerSendTimeout,
     PrefillWorker,
+    terminate_within,
 )
 from sfa_rd2h.runtime.engines.host import HostEngine
 from sfa_rd2h.runtime.tools.validate import cmd_validate
@@ -1909,6 +1911,31 @@ def test_workers_close_their_own_context_and_leave_a_shared_one_open(
     shared.term()
     closed += [w for _ in range(3) for w in cycle(None)]
     assert open_fds() == before and len(closed) == 8
+
+
+def test_a_context_term_that_does_not_end_is_logged_not_waited_for(
+        engines: tuple[HostEngine, HostEngine], caplog: pytest.LogCaptureFixture) -> None:
+    """libzmq was caught never finishing a context's term() (a closed ROUTER not reaped,
+    under load); a worker's close must not wedge its caller's shutdown on it. Here a socket
+    left open in the worker's own context holds term() for real: close returns, says so,
+    and the term ends by itself once that socket goes."""
+    _, de = engines
+    d = make_decode(de, 1)
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), de, 0)
+    stray = dw._ctx.socket(zmq.PAIR)  # term() waits for every socket of the context
+    with caplog.at_level(logging.WARNING, logger="sfa_rd2h.runtime.control"):
+        dw.close(timeout=0.5)
+    assert "zmq Context.term() did not end within 2.0s" in caplog.text
+    [term] = [t for t in threading.enumerate() if t.name.endswith("zmq-term")]
+    assert term.daemon and not dw._ctx.closed
+    stray.close(linger=0)
+    term.join(10)
+    assert not term.is_alive() and dw._ctx.closed
+    held = zmq.Context()
+    sock = held.socket(zmq.PAIR)
+    assert terminate_within(held, 0.05, "held") is False
+    sock.close(linger=0)
+    assert terminate_within(zmq.Context(), 5.0, "free") is True
 
 
 def test_decode_logs_and_traces_every_dropped_or_refused_frame(
