@@ -456,37 +456,57 @@ def _plan_from_runs(s: _SrcTensors, dst: DestLayout,
                     runs: list[tuple[range, np.ndarray, np.ndarray, np.ndarray]]) -> ReadPlan:
     """:func:`_coalesced_plan` from each group's runs: (tensors, source ids where a run
     starts, destination ids where it starts, run lengths in blocks)."""
-    total = sum(len(tensors) * heads.size for tensors, heads, _, _ in runs)
+    return _plan_of_offsets(s, dst, [tensors for tensors, _, _, _ in runs],
+                            [_offsets_of(s, dst, *run) for run in runs],
+                            [_run_ends(sid, did, count) for _, sid, did, count in runs])
+
+
+def _offsets_of(s: _SrcTensors, dst: DestLayout, tensors: range, sid: np.ndarray,
+                did: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One group's descriptors less their bases, one row per tensor of the group: ids (and
+    run lengths) times the tensor's block bytes, as destination offsets, source offsets
+    and lengths."""
+    nbytes = _group_consts(s, dst, tensors)[0]
+    return (np.multiply(did.astype(np.uint64, copy=False), nbytes),
+            np.multiply(sid.astype(np.uint64, copy=False), nbytes), count * nbytes)
+
+
+def _plan_of_offsets(s: _SrcTensors, dst: DestLayout, tensors: list[range],
+                     offsets: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                     ends: list[tuple[int, int, int, int]]) -> ReadPlan:
+    """The plan of groups whose descriptors less their bases are ``offsets`` (see
+    ``_offsets_of``) and whose runs end as ``ends`` say (``_run_ends``): each tensor's
+    bases added, written tensor after tensor into the plan's arrays."""
+    total = sum(lens.size for _, _, lens in offsets)
     local, peer, lengths = (np.empty(total, dtype=np.uint64) for _ in range(3))
     at = 0
-    for tensors, sid, did, count in runs:
-        k, end = count.size, at + len(tensors) * count.size
-        nbytes, dst_base, src_base = _group_consts(s, dst, tensors)
-        # one row per tensor of the group: (ids x its block bytes) + its base
-        loc = local[at:end].reshape(-1, k)
-        np.multiply(did.astype(np.uint64, copy=False), nbytes, out=loc)
-        loc += dst_base
-        src = peer[at:end].reshape(-1, k)
-        np.multiply(sid.astype(np.uint64, copy=False), nbytes, out=src)
-        src += src_base
-        np.multiply(count, nbytes, out=lengths[at:end].reshape(-1, k))
+    for ts, (loc_off, peer_off, lens) in zip(tensors, offsets, strict=True):
+        end = at + lens.size
+        _, dst_base, src_base = _group_consts(s, dst, ts)
+        np.add(loc_off, dst_base, out=local[at:end].reshape(lens.shape))
+        np.add(peer_off, src_base, out=peer[at:end].reshape(lens.shape))
+        lengths[at:end] = lens.reshape(-1)
         at = end
-    if not _abutting(s, dst, runs):
+    if not _abutting(s, dst, list(zip(tensors, ends, strict=True))):
         return ReadPlan.of_uint64(local, peer, lengths)
     return ReadPlan.of_uint64(local, peer, lengths).coalesced()
 
 
+def _run_ends(sid: np.ndarray, did: np.ndarray, count: np.ndarray) -> tuple[int, int, int, int]:
+    """A group's first source and destination ids and the ids just past its last run, as
+    Python ints (numpy scalars cost about a microsecond per operation)."""
+    last = int(count[-1])
+    return int(sid[0]), int(did[0]), int(sid[-1]) + last, int(did[-1]) + last
+
+
 def _abutting(s: _SrcTensors, dst: DestLayout,
-              runs: list[tuple[range, np.ndarray, np.ndarray, np.ndarray]]) -> bool:
+              groups: list[tuple[range, tuple[int, int, int, int]]]) -> bool:
     """Whether, across tensors (and groups), a descriptor continues the one before it on
     both sides, which happens where the regions abut: then ``coalesced()`` merges them.
-    Only each tensor's first and last descriptor can, so they are worked out from the
-    runs' ends in Python ints (numpy scalars cost about a microsecond per operation)."""
+    Only each tensor's first and last descriptor can, so they are worked out from each
+    group's run ends (``_run_ends``)."""
     ends: tuple[int, int] | None = None  # where the previous tensor's last descriptor ends
-    for tensors, sid, did, count in runs:
-        first_s, first_d = int(sid[0]), int(did[0])
-        last = int(count[-1])
-        last_s, last_d = int(sid[-1]) + last, int(did[-1]) + last
+    for tensors, (first_s, first_d, last_s, last_d) in groups:
         for t in tensors:
             nbytes, d_base, s_base = s.ext_block_bytes[t], dst.base_addrs[t], s.base_addrs[t]
             if ends == (d_base + first_d * nbytes, s_base + first_s * nbytes):
@@ -537,6 +557,96 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
     which words the refusal (so the first error found is the one it would name first).
     ``distinct``: the caller knows each group's destination ids to be pairwise distinct
     (a plan of these very ids, split alike, passed before), so that proof is skipped."""
+    return plan_joined(src, dst, src_ids, dst_ids, split, distinct=distinct)[0]
+
+
+class JoinedPairs:
+    """What planning learned of one layer's joined id pairs that no layout changes: each
+    group's lowest and highest ids, whether each group's destinations are distinct, the
+    runs (see :func:`_runs`) and, per block size, the descriptors' offsets from their
+    tensors' bases. Every layer of a Decode step carries the same pairs, so a step works
+    them out once; :func:`plan_joined` takes them again only for pairs equal by value
+    (the ids are kept as bytes), and still range-checks them against each layer's own
+    limits (L1) and adds each layer's own bases."""
+
+    __slots__ = ("_src", "_dst", "split", "groups", "lows", "highs", "distinct", "runs",
+                 "ends", "_offsets")
+
+    def __init__(self, src_ids: np.ndarray, dst_ids: np.ndarray, split: int,
+                 groups: int) -> None:
+        self._src = (src_ids.dtype, src_ids.tobytes())
+        self._dst = (dst_ids.dtype, dst_ids.tobytes())
+        self.split, self.groups = split, groups
+        firsts = (0, split) if groups == 2 else (0,)
+        # per group: destination low, destination high, source low, source high
+        self.lows = (np.minimum.reduceat(dst_ids, firsts).tolist(),
+                     np.minimum.reduceat(src_ids, firsts).tolist()
+                     if src_ids.dtype.kind == "i" else [0] * groups)
+        self.highs = (np.maximum.reduceat(dst_ids, firsts).tolist(),
+                      np.maximum.reduceat(src_ids, firsts).tolist())
+        self.distinct = False
+        self.runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.ends: list[tuple[int, int, int, int]] = []  # per group, see _run_ends
+        self._offsets: dict[tuple[int, ...], list[tuple[np.ndarray, ...]]] = {}
+
+    def same(self, src_ids: np.ndarray, dst_ids: np.ndarray, split: int, groups: int) -> bool:
+        """Whether these pairs, split alike, are the ones this was worked out for."""
+        return (split == self.split and groups == self.groups
+                and self._dst == (dst_ids.dtype, dst_ids.tobytes())
+                and self._src == (src_ids.dtype, src_ids.tobytes()))
+
+    def find_runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """The runs of both groups at once; a run never crosses from main into indexer."""
+        n, split = src_ids.size, self.split
+        hi_s, hi_d = max(self.highs[1]), max(self.highs[0])
+        # Narrow ids step by one without wrapping only below their type's maximum (a
+        # READY's ids may all fit uint8, and 255 + 1 must not read as 0).
+        if src_ids.dtype.itemsize < 8 and hi_s >= _top_of(src_ids.dtype):
+            src_ids = src_ids.astype(np.int64)
+        if dst_ids.dtype.itemsize < 8 and hi_d >= _top_of(dst_ids.dtype):
+            dst_ids = dst_ids.astype(np.int64)
+        starts = np.empty(n, dtype=bool)
+        starts[0] = True
+        np.not_equal(src_ids[1:], src_ids[:-1] + 1, out=starts[1:])
+        starts[1:] |= dst_ids[1:] != dst_ids[:-1] + 1
+        if self.groups == 2:
+            starts[split] = True
+        heads = np.flatnonzero(starts)
+        count = np.empty(heads.size, dtype=np.uint64)
+        count[:-1] = heads[1:] - heads[:-1]
+        count[-1] = n - heads[-1]
+        sid, did = src_ids[heads].astype(np.uint64), dst_ids[heads].astype(np.uint64)
+        if self.groups == 1:
+            self.runs = [(sid, did, count)]
+        else:
+            k = int(np.count_nonzero(starts[:split]))
+            self.runs = [(sid[:k], did[:k], count[:k]), (sid[k:], did[k:], count[k:])]
+        self.ends = [_run_ends(*run) for run in self.runs]
+
+    def offsets(self, s: _SrcTensors, dst: DestLayout,
+                tensors: list[range]) -> list[tuple[np.ndarray, ...]]:
+        """Per group (of ``tensors``): destination offsets, source offsets and lengths, one
+        row per tensor, ids times the tensor's block bytes; kept per block-size pattern."""
+        key = (s.main_tensor_count, *s.ext_block_bytes)
+        got = self._offsets.get(key)
+        if got is None:
+            got = [_offsets_of(s, dst, ts, *run)
+                   for ts, run in zip(tensors, self.runs, strict=True)]
+            if len(self._offsets) < _OFFSET_KINDS:
+                self._offsets[key] = got
+        return got
+
+
+#: block-size patterns of one layer's pairs whose offsets a :class:`JoinedPairs` keeps
+_OFFSET_KINDS = 8
+
+
+def plan_joined(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray, dst_ids: np.ndarray,
+                split: int, *, distinct: bool = False,
+                known: JoinedPairs | None = None) -> tuple[ReadPlan, JoinedPairs | None]:
+    """:func:`plan_joined_reads`, and the :class:`JoinedPairs` it worked out (None where
+    the pairs were refused or are empty). ``known``: what an earlier call returned; used
+    only where these pairs equal its own by value, split alike, and otherwise ignored."""
     s = _checked_pair(src, dst)
     main, indexer = _group_limits(s, dst)
     if indexer is None:  # a layer without indexer reads none of those ids (legacy entries)
@@ -544,9 +654,9 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
     # a source list that is no array is refused just below, whatever n says
     n = src_ids.size if isinstance(src_ids, np.ndarray) else -1
 
-    def refuse() -> ReadPlan:
+    def refuse() -> tuple[ReadPlan, None]:
         return plan_layer_reads(src, dst, src_ids[:split], dst_ids[:split],
-                                src_ids[split:], dst_ids[split:])
+                                src_ids[split:], dst_ids[split:]), None
 
     if (not isinstance(src_ids, np.ndarray) or not isinstance(dst_ids, np.ndarray)
             or src_ids.ndim != 1 or dst_ids.ndim != 1 or dst_ids.size != n
@@ -556,44 +666,24 @@ def plan_joined_reads(src: LayerLayout, dst: DestLayout, src_ids: np.ndarray,
             or dst_ids.dtype.itemsize == 8 and dst_ids.dtype.kind == "u"):
         return refuse()
     if n == 0:
-        return ReadPlan.empty()
+        return ReadPlan.empty(), None
     groups = [g for g, size in ((main, split), (indexer, n - split)) if size]
     both = len(groups) == 2
-    firsts = (0, split) if both else (0,)
-    d_lo = np.minimum.reduceat(dst_ids, firsts).tolist()
-    d_hi = np.maximum.reduceat(dst_ids, firsts).tolist()
-    s_hi = np.maximum.reduceat(src_ids, firsts).tolist()
-    s_lo = np.minimum.reduceat(src_ids, firsts).tolist() if src_ids.dtype.kind == "i" \
-        else [0] * len(groups)
+    pairs = known if known is not None and known.same(src_ids, dst_ids, split, len(groups)) \
+        else JoinedPairs(src_ids, dst_ids, split, len(groups))
+    (d_lo, s_lo), (d_hi, s_hi) = pairs.lows, pairs.highs
     for g, dlo, dhi, slo, shi in zip(groups, d_lo, d_hi, s_lo, s_hi, strict=True):
         if dlo < 0 or dhi >= g.capacity or dhi > g.dst_top or slo < 0 or shi > g.src_top:
             return refuse()
-    if n > 1 and not distinct and not _joined_distinct(dst_ids, split if both else 0,
-                                      [g.capacity for g in groups]):
-        return refuse()
-    # Narrow ids step by one without wrapping only below their type's maximum (a READY's
-    # ids may all fit uint8, and 255 + 1 must not read as 0).
-    if src_ids.dtype.itemsize < 8 and max(s_hi) >= _top_of(src_ids.dtype):
-        src_ids = src_ids.astype(np.int64)
-    if dst_ids.dtype.itemsize < 8 and max(d_hi) >= _top_of(dst_ids.dtype):
-        dst_ids = dst_ids.astype(np.int64)
-    # Runs (see _runs) of both groups at once; a run never crosses from main into indexer.
-    starts = np.empty(n, dtype=bool)
-    starts[0] = True
-    np.not_equal(src_ids[1:], src_ids[:-1] + 1, out=starts[1:])
-    starts[1:] |= dst_ids[1:] != dst_ids[:-1] + 1
-    if both:
-        starts[split] = True
-    heads = np.flatnonzero(starts)
-    count = np.empty(heads.size, dtype=np.uint64)
-    count[:-1] = heads[1:] - heads[:-1]
-    count[-1] = n - heads[-1]
-    sid, did = src_ids[heads].astype(np.uint64), dst_ids[heads].astype(np.uint64)
-    if not both:
-        return _plan_from_runs(s, dst, [(groups[0].tensors, sid, did, count)])
-    k = int(np.count_nonzero(starts[:split]))
-    return _plan_from_runs(s, dst, [(main.tensors, sid[:k], did[:k], count[:k]),
-                                    (indexer.tensors, sid[k:], did[k:], count[k:])])
+    if not pairs.distinct:
+        if n > 1 and not distinct and not _joined_distinct(
+                dst_ids, split if both else 0, [g.capacity for g in groups]):
+            return refuse()
+        pairs.distinct = True  # of these destination ids, whatever the layout (L1)
+    if not pairs.runs:
+        pairs.find_runs(src_ids, dst_ids)
+    tensors = [g.tensors for g in groups]
+    return _plan_of_offsets(s, dst, tensors, pairs.offsets(s, dst, tensors), pairs.ends), pairs
 
 
 @functools.lru_cache(maxsize=16)

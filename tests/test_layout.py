@@ -14,6 +14,7 @@ from sfa_rd2h.spec.layout import (
     DestLayout,
     ReadPlan,
     concat,
+    plan_joined,
     plan_joined_reads,
     plan_layer_reads,
     validate_dest_range,
@@ -854,6 +855,75 @@ def test_a_vouched_or_single_destination_skips_the_distinctness_proof(
     assert (vouched.local_addrs.tolist(), vouched.peer_addrs.tolist(),
             vouched.lengths.tolist()) == want
     assert _plan_or_refusal(plan_joined_reads, src, dst, sid[:1], did[:1], 1) == one
+
+
+def _layer_like(base: int, cap: int, indexer: bool, scale_bytes: int) -> tuple[Meta, DestLayout]:
+    """Another layer of a step: its own bases and capacity, block bytes as given."""
+    src, dst = make_pair(main_bytes=(4, 4), indexer_bytes=2 if indexer else None,
+                         scale_bytes=scale_bytes if indexer else None, num_blocks=cap)
+    n = len(dst.block_bytes)
+    src = Meta(tuple(base + 0x1000 * t for t in range(n)), src.block_len,
+               src.block_size_scale, src.tensor_group_idx, 2, indexer)
+    dst = DestLayout(tuple(base * 3 + 0x1000 * t for t in range(n)), dst.block_bytes,
+                     dst.num_blocks, 2, indexer, indexer)
+    return src, dst
+
+
+@given(data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_pairs_a_layer_learned_plan_the_next_layer_as_if_planned_afresh(  # L1, C4
+        data: st.DataObject) -> None:
+    """What planning learned of a layer's pairs (``plan_joined``'s JoinedPairs), handed to
+    the next layer's planning: that layer's own plan or refusal, as planning it afresh
+    gives, whether the pairs are the same (its capacity, bases and block sizes may differ,
+    so ids that fitted may not) or not (one id, the dtype or the split changed: then what
+    was learned is not used)."""
+    layers = [_layer_like(data.draw(st.sampled_from([0x1000, 0x40000])),
+                          data.draw(st.sampled_from([6, 40])), data.draw(st.booleans()),
+                          data.draw(st.sampled_from([1, 3]))) for _ in range(2)]
+    n = data.draw(st.integers(1, 12))
+    split = data.draw(st.integers(0, n))
+    ids = st.lists(st.integers(0, 39), min_size=n, max_size=n)
+    sid = np.array(data.draw(ids), dtype=data.draw(st.sampled_from(_ID_TYPES)))
+    did = np.array(data.draw(st.one_of(ids, st.permutations(range(40)).map(lambda p: p[:n]))),
+                   dtype=data.draw(st.sampled_from(_ID_TYPES)))
+    try:
+        _, known = plan_joined(*layers[0], sid, did, split)
+    except LayoutError:
+        known = None
+    changed = data.draw(st.sampled_from(["same", "id", "dtype", "split", "dst"]))
+    sid2, did2, split2 = sid.copy(), did.copy(), split
+    if changed == "id":
+        sid2[data.draw(st.integers(0, n - 1))] ^= 1
+    elif changed == "dtype":
+        sid2 = sid2.astype(np.int64 if sid.dtype != np.int64 else np.int32)
+    elif changed == "split":
+        split2 = (split + 1) % (n + 1)
+    elif changed == "dst":
+        did2[data.draw(st.integers(0, n - 1))] ^= 1
+    fresh = _plan_or_refusal(plan_joined_reads, *layers[1], sid2, did2, split2)
+    assert _plan_or_refusal(lambda *a: plan_joined(*a, known=known)[0],
+                            *layers[1], sid2, did2, split2) == fresh
+
+
+def test_pairs_seen_before_are_not_proved_distinct_or_cut_into_runs_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # L1, C4
+    """Equal pairs (another array, the same values) on a layer of other bases: the plan
+    of that layer, without a second distinctness proof or run search."""
+    from sfa_rd2h.spec import layout
+
+    (src0, dst0), (src1, dst1) = (_layer_like(b, 40, True, 1) for b in (0x1000, 0x40000))
+    sid, did = np.array([3, 4, 5, 9, 1, 2], dtype=np.uint8), np.array([7, 8, 9, 0, 5, 6])
+    _, known = plan_joined(src0, dst0, sid, did, 3)
+    want = _plan_or_refusal(plan_joined_reads, src1, dst1, sid, did, 3)
+    _no_fallback(monkeypatch, proof=False)
+
+    def searched(*args: object) -> None:
+        raise AssertionError("the runs of known pairs were searched again")
+    monkeypatch.setattr(layout.JoinedPairs, "find_runs", searched)
+    got, again = plan_joined(src1, dst1, sid.copy(), did.copy(), 3, known=known)
+    assert again is known
+    assert (got.local_addrs.tolist(), got.peer_addrs.tolist(), got.lengths.tolist()) == want
 
 
 @pytest.mark.parametrize(("sid", "did", "split", "words"), [
