@@ -12,7 +12,8 @@ lives in five parts, one purpose each:
   one validation site, so a value that decodes is a value that could have been built.
 * ``wire_encode``: messages to frames, and ``ReadyFrames`` for one Prefill step's READYs.
 * ``wire_decode``: frames to messages, of which only ``WireError`` escapes (W5), with the
-  fast and streamed READY paths, and ``layer_of`` for a READY that did not decode.
+  fast and streamed READY paths, ``layer_of`` for a READY that did not decode, and
+  ``ready_body``, a READY's bytes past its layer.
 * ``wire_handshake``: the F3 version checks and MF_META replies, the ROUTER envelope and
   external request ids.
 
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 from .errors import VersionMismatch as VersionMismatch
 from .errors import WireError as WireError
-from .wire_decode import ID_SCANNER, decode, decode_layer_metadata, layer_of
+from .wire_decode import ID_SCANNER, decode, decode_layer_metadata, layer_of, ready_body
 from .wire_encode import ReadyFrames as ReadyFrames
 from .wire_encode import encode, encode_layer_metadata
 from .wire_fields import (
@@ -151,5 +152,6 @@ __all__ = [
     "encode_meta_reply",
     "external_request_id",
     "layer_of",
+    "ready_body",
     "split_router_frames",
 ]

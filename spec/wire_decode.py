@@ -660,3 +660,32 @@ def layer_of(payload: bytes) -> int | None:
         return None
     except Exception:
         return None
+
+
+# msgpack tags of an unsigned int and of a str: how many bytes follow the tag (the int's
+# value, or the string's length)
+_UINT_TAGS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_STR_TAGS = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+
+
+def ready_body(payload: bytes | bytearray | memoryview) -> bytes | None:
+    """The bytes of a current READY past its layer index and name (its entries, finished
+    ids, member index and ratio), or None for a frame not in that form. Two READYs with
+    equal bodies decode to equal entries, finished ids, member and ratio, so a receiver can
+    tell a step's next layer naming the same blocks without comparing what it decoded.
+    Never raises; it checks no field (``decode`` does)."""
+    try:
+        if payload[:_READY_HEAD_LEN] != READY_HEADER:
+            return None
+        at = _READY_HEAD_LEN
+        tag = payload[at]
+        at += 1 if tag < 0x80 else 1 + _UINT_TAGS[tag]
+        tag = payload[at]
+        if 0xA0 <= tag <= 0xBF:
+            at += 1 + (tag & 0x1F)
+        else:
+            width = _STR_TAGS[tag]
+            at += 1 + width + int.from_bytes(payload[at + 1:at + 1 + width], "big")
+        return bytes(payload[at:]) if at <= len(payload) else None
+    except (KeyError, IndexError, TypeError):
+        return None

@@ -51,6 +51,7 @@ from sfa_rd2h.spec.wire import (
     external_request_id,
     layer_of,
     meta_refusal,
+    ready_body,
     split_router_frames,
 )
 
@@ -598,6 +599,49 @@ def test_layer_of() -> None:
         None,
     ):
         assert layer_of(bad) is None  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries=_entries, done=st.lists(_ext, max_size=4), ratio=st.integers(1, MAX_TP_RATIO),
+       layers=st.lists(st.tuples(st.integers(0, MAX_LAYER_IDX),
+                                 st.text(min_size=1, max_size=300)), min_size=2, max_size=2),
+       data=st.data())
+def test_a_readys_body_is_the_bytes_past_its_layer_whatever_the_layer(  # W2
+        entries: list[ReadReq], done: list[str], ratio: int, layers: list[tuple[int, str]],
+        data: st.DataObject) -> None:
+    """``ready_body``: the READY's entries, finished ids, member and ratio exactly as
+    packed, the same for every layer index (fixint, uint8, uint16) and name (fixstr, str8,
+    str16), so equal bodies are equal entries."""
+    member = data.draw(st.integers(0, ratio - 1))
+    tail = b"".join(pack(f) for f in (
+        [[e.ext_req_id, e.p_main_block_ids.tolist(), e.p_indexer_block_ids.tolist(),
+          e.main_dest_start, e.indexer_dest_start] for e in entries],
+        done, member, ratio))
+    for layer, name in layers:
+        frame = encode(ReadReadyBatch(layer, name, tuple(entries), tuple(done), member, ratio))
+        assert ready_body(frame) == tail
+        assert ready_body(bytearray(frame)) == ready_body(memoryview(frame)) == tail
+    head = b"\x97" + pack(READ_READY_BATCH)
+    for index in (b"\xce\x00\x00\x00\x05", b"\xcf" + bytes(7) + b"\x05"):  # wider than needed
+        assert ready_body(head + index + pack("l") + tail) == tail
+
+
+@given(junk=st.binary(max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_a_body_is_none_for_what_is_no_current_ready_and_never_raises(junk: bytes) -> None:
+    """Other messages, legacy READYs, frames cut before their name ends, layer indexes or
+    names of forms no READY has: None. Past the header anything gives None or bytes."""
+    frame = encode(ReadReadyBatch(3, "x" * 40, (ReadReq("r", [1], [2], 0, 0),), ()))
+    head = b"\x97" + pack(READ_READY_BATCH)
+    for bad in (encode(ReadDone(3)), b"", junk, head, head + b"\x03", head + b"\x03\xd9",
+                head + b"\x03\xd9\x28xx", head + b"\xc0" + pack("l"),
+                head + b"\xff" + pack("l"), head + b"\x03\x01",
+                *(frame[:k] for k in range(len(head) + 42)),
+                b"\x95" + pack(READ_READY_BATCH) + b"\x03" + pack("l")):
+        assert ready_body(bad) is None
+    for bad in (None, "text", 7):
+        assert ready_body(bad) is None  # type: ignore[arg-type]
+    assert ready_body(head + junk) is None or isinstance(ready_body(head + junk), bytes)
 
 
 def test_error_text_is_repaired_not_refused() -> None:
