@@ -161,10 +161,10 @@ class TrustSourceLayout(DecodeCore):
     block sizes."""
 
     def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
-                    msg: wire.ReadReadyBatch) -> ReadPlan:
+                    msg: wire.ReadReadyBatch, body: bytes | None = None) -> ReadPlan:
         trusted = DestLayout(dst.base_addrs, src.ext_block_bytes, dst.num_blocks,
                              dst.main_tensor_count, dst.has_indexer, dst.has_scale)
-        return super()._plan_layer(src, trusted, live, msg)
+        return super()._plan_layer(src, trusted, live, msg, body)
 
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
         return None

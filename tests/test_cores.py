@@ -702,3 +702,83 @@ def test_registered_destinations_are_the_cores_own_copy():  # C1, L1
     for layer in (0, 1):
         plan, _ = _served(d, layer, (("r1", (5, 6), (1, 2), 0, 0),), 0, 1)
         assert plan[0][0] == 0x900000 + 10 * MAIN
+
+
+# A second layer of other bases, whose destinations hold 16 blocks: ids that fit layer 0
+# may not fit it.
+LAYERS_APART = {"l0": layer_meta(0x10000), "l1": layer_meta(0x50000)}
+DEST_SMALL = DestLayout((0xA00000, 0xA10000, 0xA20000), (MAIN, MAIN, IDX), (16, 16, 16), 2,
+                        True, False)
+
+
+def _apart_core(regs: list[tuple[str, list[int], list[int]]], **kw) -> DecodeCore:  # type: ignore[no-untyped-def]
+    d = DecodeCore(0, 1, {"l0": DEST, "l1": DEST_SMALL}, **kw)
+    for ext, main, idx in regs:
+        d.register_request(ext, main, idx, 0.0)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS_APART)), 0.0)
+    return d
+
+
+@given(data=st.data(), ratio=st.sampled_from([1, 2]))
+@settings(max_examples=150, deadline=None)
+def test_a_steps_next_layer_reads_what_it_would_read_alone(  # L1, C4, T6
+        data: st.DataObject, ratio: int) -> None:
+    """The step's next layer repeats the entries: planned from what the layer before
+    learned, it reads exactly what a core serving that layer alone reads, or is refused
+    with the same words (its own capacity and bases); so do the layers after it."""
+    member = data.draw(st.integers(0, ratio - 1))
+    ids = st.lists(st.integers(0, 63), max_size=4)
+    entries, regs = [], []
+    for i in range(data.draw(st.integers(1, 4))):
+        entries.append((f"r{i}", data.draw(ids), data.draw(ids), data.draw(st.integers(0, 2)),
+                        data.draw(st.integers(0, 2))))
+        regs.append((f"r{i}", *(data.draw(st.lists(st.integers(0, 40), max_size=6,
+                                                    unique=True)) for _ in range(2))))
+    d = _apart_core(regs)
+    first, _ = _served(d, 0, tuple(entries), member, ratio)
+    if isinstance(first, str):  # a refused layer fails its requests: no second layer
+        return
+    alone, _ = _served(_apart_core(regs), 1, tuple(entries), member, ratio)
+    second, _ = _served(d, 1, tuple(entries), member, ratio)
+    assert second == alone
+    if not isinstance(second, str):  # and the layers after it read their own again
+        assert _served(d, 0, tuple(entries), member, ratio)[0] == first
+        assert _served(d, 1, tuple(entries), member, ratio)[0] == alone
+
+
+def test_a_request_aborted_between_layers_is_not_read_by_the_next():  # R5, C1
+    """The next layer's READY has the same bytes, but a request of it was aborted since:
+    its blocks are no longer written, the other request's still are."""
+    regs = [("r1", [10, 11], [2]), ("r2", [12, 13], [3])]
+    entries = (("r1", (1, 2), (1,), 0, 0), ("r2", (3, 4), (2,), 0, 0))
+    d = _apart_core(regs)
+    _served(d, 0, entries, 0, 1)
+    d.abort_request("r2", "vLLM aborted it", 0.0)
+    alone = _apart_core(regs)
+    alone.abort_request("r2", "vLLM aborted it", 0.0)
+    want, _ = _served(alone, 1, entries, 0, 1)
+    got, _ = _served(d, 1, entries, 0, 1)
+    assert got == want
+    assert want[0] == [0xA00000 + 10 * MAIN, 0xA10000 + 10 * MAIN, 0xA20000 + 2 * IDX]  # r1's
+
+
+def test_an_id_registered_again_is_read_into_its_new_blocks():  # C1, L1, R5
+    """A request finished, its tombstone evicted, and its id registered again with other
+    blocks: a READY with the same bytes as the one read before waits for the new
+    registration (C1) and then reads into the new blocks, not the old ones."""
+    d = _apart_core([("r1", [10, 11], [20, 21])], limits=DecodeLimits(tombstones=1))
+    entries = (("r1", (1, 2), (1, 2), 0, 0),)
+    before, _ = _served(d, 0, entries, 0, 1)
+    for ext in ("r1", "r9"):  # r9's tombstone pushes r1's out
+        if ext == "r9":
+            d.register_request("r9", [1], [1], 0.0)
+        d.abort_request(ext, "gone", 0.0)
+        d.apply_agreement(ext, False)
+    assert d.on_frame("p", ready(0, entries), 0.0) == []  # waits for r1's destinations
+    [read] = d.register_request("r1", [30, 31], [5, 6], 0.0)
+    assert isinstance(read, IssueRead)
+    assert read.plan.local_addrs.tolist()[0] == 0x900000 + 30 * MAIN
+    assert before[0][0] == 0x900000 + 10 * MAIN
+    d.read_result(read.read_id, 0, 0.0)
+    again, _ = _served(d, 0, entries, 0, 1)
+    assert again[0][0] == 0x900000 + 30 * MAIN

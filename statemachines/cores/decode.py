@@ -28,7 +28,13 @@ import numpy as np
 
 from sfa_rd2h.spec import wire
 from sfa_rd2h.spec.errors import ProtocolError
-from sfa_rd2h.spec.layout import DestLayout, ReadPlan, plan_joined_reads, validate_layer
+from sfa_rd2h.spec.layout import (
+    DestLayout,
+    JoinedPairs,
+    ReadPlan,
+    plan_joined,
+    validate_layer,
+)
 from sfa_rd2h.spec.timing import (
     DESTINATION_WAIT_S,
     READ_BUDGET_S,
@@ -158,9 +164,14 @@ class DecodeCore:
         self._inflight: dict[int, ServedReady] = {}
         self._read_ids = itertools.count(1)
         self._serial = itertools.count()
-        # the destinations last planned, joined, and the split they were proved distinct at
-        self._last_joined: tuple[list[np.ndarray], np.ndarray, int | None] = (
+        # the destinations last planned, joined, and what planning learned of the pairs
+        self._last_joined: tuple[list[np.ndarray], np.ndarray, JoinedPairs | None] = (
             [], _NO_BLOCKS, None)
+        # the last layer whose entries were all live, for the step's next layer (_Step)
+        self._step: _Step | None = None
+        # requests registered and transitions fired so far (a request's entry in
+        # ``requests``, its state, ratio and finals change only with this count)
+        self._request_changes = 0
         self.stats = DecodeStats()
 
     # ----------------------------------------------------------------- requests (C1)
@@ -170,6 +181,7 @@ class DecodeCore:
         if ext_req_id in self.requests or ext_req_id in self.terminal:
             raise ProtocolError(f"C1: request {ext_req_id!r} is already registered")
         status = self._requests.start(RequestStatus(ext_req_id))
+        self._request_changes += 1
         req = self.requests[ext_req_id] = DecodeRequest(
             status, _frozen_ids(main_dest), _frozen_ids(indexer_dest),
             now + self.request_deadline)
@@ -181,7 +193,7 @@ class DecodeCore:
                      f"(more than {self.limits.early_failures} early failures at once); "
                      "failing it rather than risking missing KV")
         if early is not None:
-            self._requests.fire(status, "read_failed", early)
+            self._fire_request(status, "read_failed", early)
             actions += self._maybe_ready(req)
         for ready in self._waiting_by_id.pop(ext_req_id, ()):
             if self._waiting.get(ready.seq) is not ready:
@@ -201,7 +213,7 @@ class DecodeCore:
         req = self.requests.get(ext_req_id)
         if req is None or not self._requests.can(req.status, "deadline_expired"):
             return []
-        self._requests.fire(req.status, "deadline_expired", f"C1: {reason}")
+        self._fire_request(req.status, "deadline_expired", f"C1: {reason}")
         return self._maybe_ready(req)
 
     def local_outcome(self, ext_req_id: str) -> bool | None:
@@ -217,12 +229,18 @@ class DecodeCore:
         req = self.requests.get(ext_req_id)
         if req is None or self.local_outcome(ext_req_id) is None:
             raise ProtocolError(f"R1: request {ext_req_id!r} is not ready for TP agreement")
-        self._requests.fire(req.status, "tp_agreed", all_ok)
+        self._fire_request(req.status, "tp_agreed", all_ok)
         self._forget(ext_req_id)
         ok = req.status.state == "succeeded"
         _remember(self.terminal, ext_req_id, ok, self.limits.tombstones)
         error = req.status.error or (None if ok else ANOTHER_RANK_FAILED)
         return [RequestFinished(ext_req_id, ok, error)]
+
+    def _fire_request(self, status: RequestStatus, trigger: str, *args: object) -> None:
+        """Fire a request's machine; every change to the requests goes through here or
+        ``register_request``, so an unchanged count means unchanged requests."""
+        self._request_changes += 1
+        self._requests.fire(status, trigger, *args)
 
     def _maybe_ready(self, req: DecodeRequest) -> list[Action]:
         outcome = self.local_outcome(req.status.key)
@@ -232,7 +250,7 @@ class DecodeCore:
         req = self.requests.get(ext_req_id)
         if req is None or not self._requests.can(req.status, "read_failed"):
             return []
-        self._requests.fire(req.status, "read_failed", error)
+        self._fire_request(req.status, "read_failed", error)
         return self._maybe_ready(req)
 
     # ----------------------------------------------------------------- frames
@@ -315,6 +333,11 @@ class DecodeCore:
             self._validate_layout(src, dst)
         except ProtocolError as exc:
             return self._reject(ready, str(exc))
+        # A step's next layer (see _plan) waits for nothing: its requests were all live.
+        body = wire.ready_body(payload) if payload and len(payload) <= _KEPT_BODY_BYTES else None
+        key = None if body is None else (body, self._request_changes)
+        if key is not None and self._step is not None and self._step.key == key:
+            return self._plan(ready, now, key)
         # T6: an entry with both lists empty reads nothing, so it waits for no destinations
         known = self.requests.__contains__
         missing = frozenset() if all(map(known, map(_EXT_ID, msg.read_reqs))) else frozenset(
@@ -331,7 +354,7 @@ class DecodeCore:
                     f"for destinations, the limit is {self.limits.waiting_readys} READYs and "
                     f"{self.limits.waiting_bytes} bytes"))
             return self._await_destinations(ready, missing, now)
-        return self._plan(ready, now)
+        return self._plan(ready, now, key)
 
     # Hooks: the model checker's seeded bugs override these, nothing else does.
     def _validate_layout(self, src: wire.LayerMeta, dst: DestLayout) -> None:
@@ -396,14 +419,36 @@ class DecodeCore:
                            self.d_rank, self.d_tp, main_shared=self.main_dest_shared)
 
     def _plan_layer(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
-                    msg: wire.ReadReadyBatch) -> ReadPlan:
+                    msg: wire.ReadReadyBatch, key: tuple | None = None) -> ReadPlan:
         """One plan for the whole layer: the live entries are cut to this rank's share in
         one numpy pass (T6), their ranges checked against the registered destinations
         (L1), and the block ids of every entry, main then indexer, joined into one array
         so the layout is checked once and numpy checks, builds and coalesces all
-        descriptors in one pass (C4)."""
+        descriptors in one pass (C4). ``key``: where every entry is live, the READY's
+        bytes past its layer (``wire.ready_body``) and the count of request changes."""
         if not live:
             return _EMPTY_PLAN
+        # The same body and no request changed (so the same request objects, with the
+        # same read-only destinations) cut (T6) and join into the very pairs that passed
+        # the L1 range checks for the last layer: those are taken again, and only the
+        # layout's part of planning runs (its limits, L1, and its bases, C4).
+        cut = (dst.has_indexer, self.d_rank, self.d_tp, self.main_dest_shared)
+        step = self._step
+        if key is not None and step is not None and step.key == key and step.cut == cut:
+            plan, step.pairs = plan_joined(src, dst, step.src_ids, step.dst_ids, step.split,
+                                           known=step.pairs)
+            return plan
+        plan, src_ids, joined, split, pairs = self._plan_entries(src, dst, live, msg)
+        self._step = None if key is None or joined.size > _KEPT_IDS else _Step(
+            key, cut, tuple(map(_EXT_ID, live)),
+            [self.requests[e.ext_req_id] for e in live], src_ids, joined, split, pairs)
+        return plan
+
+    def _plan_entries(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
+                      msg: wire.ReadReadyBatch
+                      ) -> tuple[ReadPlan, np.ndarray, np.ndarray, int, JoinedPairs | None]:
+        """:meth:`_plan_layer` entry by entry: the plan, and the joined source and
+        destination ids, main's count and what planning learned of them."""
         member, ratio = msg.group_member_idx, msg.tp_ratio
         reqs = [self.requests[e.ext_req_id] for e in live]
         # One list per field, each turned into an array by one call: on a few dozen
@@ -430,17 +475,19 @@ class DecodeCore:
         idx_src, idx_dst = idx.pieces(cuts.indexer_lo, cuts.indexer_hi, idx_whole)
         split = sum(map(len, main_src))
         dests = main_dst + idx_dst
-        last, joined, proven = self._last_joined
+        last, joined, pairs = self._last_joined
         if len(last) != len(dests) or not all(map(operator.is_, last, dests)):
-            joined, proven = np.concatenate(dests), None
+            joined = np.concatenate(dests)
             joined.flags.writeable = False
-        plan = plan_joined_reads(src, dst, np.concatenate(main_src + idx_src), joined, split,
-                                 distinct=proven == split)
-        # Every layer of a step serves the same requests: from the second layer on, the
-        # same whole destination arrays (read-only since registration) are not joined
-        # again, nor proved distinct again (L1) for the same main/indexer split.
-        self._last_joined = (dests, joined, split)
-        return plan
+        src_ids = np.concatenate(main_src + idx_src)
+        plan, pairs = plan_joined(src, dst, src_ids, joined, split, known=pairs)
+        # Every layer of a step serves the same requests with the same ids: from the second
+        # layer on, the same whole destination arrays (read-only since registration) are
+        # not joined again, and pairs equal by value to the last layer's are not proved
+        # distinct again nor cut into runs again (L1 still checks their ranges against
+        # this layer's layout, C4 adds its bases). Large layers are not kept.
+        self._last_joined = (dests, joined, pairs if joined.size <= _KEPT_IDS else None)
+        return plan, src_ids, joined, split, pairs
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
@@ -466,7 +513,7 @@ class DecodeCore:
                 if req.ratio is None:
                     req.ratio = msg.tp_ratio
                 elif self._ratio_conflict(req, msg):
-                    self._requests.fire(
+                    self._fire_request(
                         req.status, "ratio_conflict",
                         f"T1: contributor {msg.group_member_idx} reports tp_ratio="
                         f"{msg.tp_ratio}, request already has tp_ratio={req.ratio}")
@@ -477,8 +524,10 @@ class DecodeCore:
                 self.stats.skipped_entries += 1
         return live, actions
 
-    def _plan(self, ready: ServedReady, now: float) -> list[Action]:
-        """Build one batched read for every live request of the layer (C4, L1)."""
+    def _plan(self, ready: ServedReady, now: float, key: tuple | None = None) -> list[Action]:
+        """Build one batched read for every live request of the layer (C4, L1). ``key``:
+        the READY's bytes past its layer (``wire.ready_body``) and the count of request
+        changes when it came, if it came with its frame; None otherwise."""
         msg = ready.msg
         meta = self.connections.get(ready.peer)
         if meta is None:  # the connection restarted while this READY waited
@@ -488,19 +537,33 @@ class DecodeCore:
             return self._reject(ready, f"L1: layer {msg.layer_name!r} left the MF_META of "
                                        "this connection while the READY waited")
         dst = self.dest_layouts[msg.layer_name]
-        live, actions = self._live_entries(msg)
+        # Every layer of a step sends the same entries (the frame's bytes past the layer
+        # tell) while no request changes: then the entries are all live again, as they
+        # were for the last layer, with nothing to skip or fail (R5, T1).
+        step = self._step
+        if key is not None and step is not None and step.key == key:
+            live, actions = list(msg.read_reqs), []
+        else:
+            step = None
+            live, actions = self._live_entries(msg)
+            if len(live) != len(msg.read_reqs):
+                key = None
         try:
-            plan = self._plan_layer(src, dst, live, msg)
+            plan = self._plan_layer(src, dst, live, msg, key)
         except ProtocolError as exc:
             return actions + self._reject(ready, str(exc))
-        ready.live = tuple(map(_EXT_ID, live))
+        step = self._step if key is not None else None
+        if step is not None and step.key != key:  # nothing was kept for this layer
+            step = None
+        ready.live = step.live if step is not None else tuple(map(_EXT_ID, live))
         ready.read.n_reads = len(plan)
         self._reads.fire(ready.read, "accept")
         if ready.read.state == "done":
             return actions + self._finish(ready)
         read_id = next(self._read_ids)
         self._inflight[read_id] = ready
-        for req in map(self.requests.__getitem__, ready.live):
+        for req in step.reqs if step is not None else map(self.requests.__getitem__,
+                                                           ready.live):
             req.inflight += 1
         return actions + [IssueRead(read_id, meta.p_session, plan)]
 
@@ -534,7 +597,7 @@ class DecodeCore:
                 req = self.requests.get(ext)
                 if req is None or not self._requests.can(req.status, "contributor_final"):
                     continue
-                self._requests.fire(req.status, "contributor_final",
+                self._fire_request(req.status, "contributor_final",
                                     *self._final_signal(req, msg))
                 actions += self._maybe_ready(req)
             # a request whose last read just landed may now be ready for agreement
@@ -580,7 +643,7 @@ class DecodeCore:
                 req = self.requests.get(str(what))
                 if req is not None and req.status.state == "registered" and \
                         now >= req.deadline:
-                    self._requests.fire(req.status, "deadline_expired",
+                    self._fire_request(req.status, "deadline_expired",
                                         f"R1: contributors incomplete after "
                                         f"{self.request_deadline}s")
                     actions += self._maybe_ready(req)
@@ -632,6 +695,10 @@ class DecodeCore:
 
 
 _OVERFLOW_BITS = 1 << 20
+# The most ids and frame bytes a core keeps from the last layer it planned, for the next
+# layer of the step: a READY past them is planned afresh, and none is held after it.
+_KEPT_IDS = 1 << 18
+_KEPT_BODY_BYTES = 1 << 20
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 _NO_BLOCKS.flags.writeable = False
 _EXT_ID = operator.attrgetter("ext_req_id")
@@ -664,6 +731,23 @@ def _frozen_ids(ids: Sequence[int]) -> np.ndarray:
     arr = np.array(ids, dtype=np.int64)
     arr.flags.writeable = False
     return arr
+
+
+@dataclass(eq=False)
+class _Step:
+    """The last layer a core planned with every entry live, which the step's next layers
+    repeat: what identifies it (``key``: the READY's bytes past its layer and the count of
+    request changes; ``cut``: what else decides the cut), its requests, and the joined
+    pairs it was planned from."""
+
+    key: tuple
+    cut: tuple
+    live: tuple[str, ...]
+    reqs: list[DecodeRequest]
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    split: int
+    pairs: JoinedPairs | None
 
 
 class _Lists:
