@@ -125,8 +125,26 @@ def test_a_check_spread_over_sittings_resumes_and_counts_one_commit(tmp_path: Pa
         "tests/test_control_decode_loop.py#1", "tests/test_control_decode_loop.py#2"]
     assert report["modules"]["tests/test_control_decode_loop.py"]["runs"] == 2 * cases
     assert len(report["sessions"]) == 2
-    report["commit"] = "0000000"
+    # Another commit with the same code (only the README or a record changed) goes on.
+    head = report["commit"]
+    report["commit"], report["commits"] = "0000000", ["0000000"]
+    out.write_text(json.dumps(report))
+    third = subprocess.run([*base, "--repeat", "2", "--resume", str(out)],
+                           capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "the code of 0000000" in third.stdout
+    assert json.loads(out.read_text())["commits"] == ["0000000", head]
+    report["code"] = "0" * 16
     out.write_text(json.dumps(report))
     other = subprocess.run([*base, "--repeat", "3", "--resume", str(out)],
                            capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "one commit's runs only" in other.stdout
+
+
+def test_only_the_readme_and_the_records_are_not_code() -> None:
+    stress = _stress()
+    assert stress._not_code("README.md") and stress._not_code(".ci/stress-records/a.json")
+    assert not stress._not_code("tests/README.md") and not stress._not_code(".ci/stress")
+    assert not stress._not_code("README.md.orig") and not stress._not_code("spec/PROTOCOL.md")
+    digest = stress.code_digest()
+    assert len(digest) == 16 and digest == stress.code_digest()
