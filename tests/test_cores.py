@@ -782,3 +782,16 @@ def test_an_id_registered_again_is_read_into_its_new_blocks():  # C1, L1, R5
     d.read_result(read.read_id, 0, 0.0)
     again, _ = _served(d, 0, entries, 0, 1)
     assert again[0][0] == 0x900000 + 30 * MAIN
+
+
+def test_a_request_aborted_while_a_later_layer_is_read_is_ready_when_it_lands():  # C1, R1
+    """A step's second layer is being read when vLLM aborts the request: no RequestReady
+    while the read writes into its blocks, and one as soon as the read lands."""
+    d = _apart_core([("r1", [10, 11], [2])])
+    entries = (("r1", (1, 2), (1,), 0, 0),)
+    _served(d, 0, entries, 0, 1)
+    [read] = [a for a in d.on_frame("p", ready(1, entries), 0.0) if isinstance(a, IssueRead)]
+    assert d.abort_request("r1", "vLLM aborted it", 0.0) == []
+    done = d.read_result(read.read_id, 0, 0.0)
+    assert RequestReady("r1", False) in done
+    assert sends(done) == [wire.encode(wire.ReadDone(1))]

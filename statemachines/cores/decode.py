@@ -83,6 +83,9 @@ class ServedReady:
     trusted: bool = False
     payload: bytes | None = None
     seq: int = -1  # its key among the waiting READYs (not id(): the checker deep-copies)
+    # the count of request changes when its read was issued, if every request it reads
+    # was registered then (while the count stays, they all still are); -1 otherwise
+    quiet: int = -1
 
 
 @dataclass(frozen=True)
@@ -439,9 +442,13 @@ class DecodeCore:
                                            known=step.pairs)
             return plan
         plan, src_ids, joined, split, pairs = self._plan_entries(src, dst, live, msg)
-        self._step = None if key is None or joined.size > _KEPT_IDS else _Step(
-            key, cut, tuple(map(_EXT_ID, live)),
-            [self.requests[e.ext_req_id] for e in live], src_ids, joined, split, pairs)
+        if key is None or joined.size > _KEPT_IDS:
+            self._step = None
+            return plan
+        reqs = [self.requests[e.ext_req_id] for e in live]
+        self._step = _Step(key, cut, tuple(map(_EXT_ID, live)), reqs,
+                           all(r.status.state == "registered" for r in reqs), src_ids, joined,
+                           split, pairs)
         return plan
 
     def _plan_entries(self, src: wire.LayerMeta, dst: DestLayout, live: list[wire.ReadReq],
@@ -556,6 +563,8 @@ class DecodeCore:
         if step is not None and step.key != key:  # nothing was kept for this layer
             step = None
         ready.live = step.live if step is not None else tuple(map(_EXT_ID, live))
+        if step is not None and step.registered:
+            ready.quiet = self._request_changes
         ready.read.n_reads = len(plan)
         self._reads.fire(ready.read, "accept")
         if ready.read.state == "done":
@@ -600,11 +609,14 @@ class DecodeCore:
                 self._fire_request(req.status, "contributor_final",
                                     *self._final_signal(req, msg))
                 actions += self._maybe_ready(req)
-            # a request whose last read just landed may now be ready for agreement
-            for ext, req in zip(ready.live, map(self.requests.get, ready.live), strict=True):
-                if (req is not None and req.status.state != "registered"
-                        and ext not in msg.done_ext_ids):
-                    actions += self._maybe_ready(req)
+            # a request whose last read just landed may now be ready for agreement (none
+            # is, where every request it read is still registered)
+            if ready.quiet != self._request_changes:
+                for ext, req in zip(ready.live, map(self.requests.get, ready.live),
+                                    strict=True):
+                    if (req is not None and req.status.state != "registered"
+                            and ext not in msg.done_ext_ids):
+                        actions += self._maybe_ready(req)
         else:
             self.stats.replies["failed"] += 1
             error = read.error or "read failed"
@@ -737,13 +749,14 @@ def _frozen_ids(ids: Sequence[int]) -> np.ndarray:
 class _Step:
     """The last layer a core planned with every entry live, which the step's next layers
     repeat: what identifies it (``key``: the READY's bytes past its layer and the count of
-    request changes; ``cut``: what else decides the cut), its requests, and the joined
-    pairs it was planned from."""
+    request changes; ``cut``: what else decides the cut), its requests, whether they were
+    all registered, and the joined pairs it was planned from."""
 
     key: tuple
     cut: tuple
     live: tuple[str, ...]
     reqs: list[DecodeRequest]
+    registered: bool  # every one of them (a seeded bug may read others)
     src_ids: np.ndarray
     dst_ids: np.ndarray
     split: int
