@@ -75,6 +75,10 @@ def test_every_row_is_consistent_and_was_verified(report: dict[str, Any]) -> Non
     # The sweeps behind the charts: the figures' rows keep their sizes, the other points
     # have rows of their own.
     assert by_name["decode_core_layer"]["requests"] == 64
+    # the figure is a step's later layer; its first layer, planned afresh, is shown beside it
+    assert by_name["decode_core_layer"]["repeats"] is True
+    assert by_name["decode_core_layer_cold"]["repeats"] is False
+    assert by_name["decode_core_layer_cold"]["requests"] == 64
     assert [by_name[f"decode_core_layer_{n}req"]["requests"] for n in (16, 256)] == [16, 256]
     assert [by_name[f"prefill_layer_cpu_{n}ep"]["endpoints"] for n in (1, 2, 4)] == [1, 2, 4]
 

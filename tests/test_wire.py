@@ -5,6 +5,7 @@ the F3 handshake, and properties that no input makes a decoder raise anything bu
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import msgpack
@@ -1264,7 +1265,9 @@ def test_the_id_scanner_is_built_where_setup_built_it() -> None:
     decode with it, never fall back to the slower route unnoticed."""
     from pathlib import Path
 
-    marker = Path(__file__).resolve().parents[1] / ".venv" / ".sfa_rd2h_idscan"
+    # The running venv's marker, not the checkout's: the mutation tool runs these tests
+    # from a staged copy of the checkout, with the checkout's venv.
+    marker = Path(sys.prefix) / ".sfa_rd2h_idscan"
     if not marker.exists():
         pytest.skip("this venv was not made by .ci/setup, which builds the id scanner")
     assert wire_decode.ID_SCANNER == "c", "the C id scanner (spec/_idscan.c) is not built"
