@@ -456,9 +456,27 @@ def _plan_from_runs(s: _SrcTensors, dst: DestLayout,
                     runs: list[tuple[range, np.ndarray, np.ndarray, np.ndarray]]) -> ReadPlan:
     """:func:`_coalesced_plan` from each group's runs: (tensors, source ids where a run
     starts, destination ids where it starts, run lengths in blocks)."""
-    return _plan_of_offsets(s, dst, [tensors for tensors, _, _, _ in runs],
-                            [_offsets_of(s, dst, *run) for run in runs],
-                            [_run_ends(sid, did, count) for _, sid, did, count in runs])
+    # Written straight into the plan's arrays: a layer planned once needs no offsets kept
+    # (plan_joined keeps them, through _plan_of_offsets, for the layers that repeat it).
+    total = sum(len(tensors) * heads.size for tensors, heads, _, _ in runs)
+    local, peer, lengths = (np.empty(total, dtype=np.uint64) for _ in range(3))
+    at = 0
+    for tensors, sid, did, count in runs:
+        k, end = count.size, at + len(tensors) * count.size
+        nbytes, dst_base, src_base = _group_consts(s, dst, tensors)
+        # one row per tensor of the group: (ids x its block bytes) + its base
+        loc = local[at:end].reshape(-1, k)
+        np.multiply(did.astype(np.uint64, copy=False), nbytes, out=loc)
+        loc += dst_base
+        src = peer[at:end].reshape(-1, k)
+        np.multiply(sid.astype(np.uint64, copy=False), nbytes, out=src)
+        src += src_base
+        np.multiply(count, nbytes, out=lengths[at:end].reshape(-1, k))
+        at = end
+    groups = [(tensors, _run_ends(sid, did, count)) for tensors, sid, did, count in runs]
+    if not _abutting(s, dst, groups):
+        return ReadPlan.of_uint64(local, peer, lengths)
+    return ReadPlan.of_uint64(local, peer, lengths).coalesced()
 
 
 def _offsets_of(s: _SrcTensors, dst: DestLayout, tensors: range, sid: np.ndarray,
