@@ -324,6 +324,11 @@ def test_nothing_is_leaked_or_left_waiting(report: dict) -> None:
     assert report["jobs_left"] == 0  # the proxy tracks no completion
     for row in report["rows"]:
         assert row["leaked_blocks"] == 0 and row["drained"] and row["jobs_left"] == 0
+    # Every stopped engine had vLLM's message queues in /dev/shm, and none is left there.
+    engines = report["engine_shared_memory"]
+    assert set(engines) == {"single/single", "sfa/prefill", "sfa/decode"}
+    for name, shm in engines.items():
+        assert shm["mapped"] > 0 and shm["left"] == 0, (name, shm)
 
 
 @pytest.mark.e2e

@@ -435,9 +435,9 @@ def test_a_link_cut_through_vllm_fails_its_victims_quickly_and_then_heals(
                 assert "will not reach decode" in got.body, got.body
                 assert "past the read budget of 8s" in got.body, got.body
             else:
-                # the proxy's own call to the cut host: sent on a pooled connection whose
-                # bytes the cut dropped, closed by the server's idle timer, whose FIN only
-                # arrives after the restore
+                # the proxy's own call to the cut host failed: the call's connection (one
+                # per call, nothing pooled) lost what the cut dropped and ended only once
+                # the link was back
                 assert f"prefill {engines['prefill'].url} failed:" in got.body, got.body
             assert end - restored < 40.0, end - restored  # the retried report, not R1
         print(f"long cut: {len(victims)} of {len(long)} failed, "

@@ -6,6 +6,8 @@ single-engine reference, the connector's figures.
   head_dim 64, vocab 512), so Prefill, Decode and the reference load identical weights.
 * :class:`EngineServer` is one ``vllm serve`` (its API server, EngineCore and worker, in one
   process group so that stopping it stops all three; it also dies with its starter).
+  Stopping waits for the whole group, not only its leader, and removes the shared memory a
+  killed group leaves in ``/dev/shm``.
   :meth:`EngineServer.wait_healthy` polls ``/health`` until a deadline and fails at once,
   with the log's tail, when the server exits.
 * :func:`kv_transfer_config` is the ``--kv-transfer-config`` of a Prefill or Decode running
@@ -28,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -36,7 +39,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -66,6 +69,13 @@ MODELS: dict[str, dict[str, Any]] = {
 # network (the model is local), and no usage reporting.
 BASE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+# What Python's multiprocessing names its shared memory (``psm_``, vLLM's message queues
+# between EngineCore and workers) and semaphores (``sem.mp-``) in /dev/shm. Only the
+# process that made one, or multiprocessing's resource tracker when that process has died,
+# removes it; a SIGKILLed group has neither left.
+_SHM_DIR = "/dev/shm/"
+_MP_SHM_PREFIXES = ("psm_", "sem.mp-")
 
 # The direct (non-HTTP-proxy) opener: the engines are on loopback.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -181,6 +191,117 @@ def kv_transfer_config(role: str, *, kv_port: int, host: str = "127.0.0.1",
     }
 
 
+def group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, comm) of every live process whose process group is ``pgid``. The number stays
+    the group's while any member lives, even after its leader has exited. A zombie is not
+    live: it runs nothing and maps nothing, and whoever reaps it may take its time."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, _, rest = stat.read_text().rpartition(")")
+            fields = rest.split()
+            comm, state, group = head.partition("(")[2], fields[0], int(fields[2])
+        except (OSError, ValueError, IndexError):
+            continue  # a process that just ended
+        if group == pgid and state != "Z":
+            found.append((int(stat.parent.name), comm))
+    return sorted(found)
+
+
+def wait_gone(pids: Iterable[int], deadline: float) -> bool:
+    """Wait until every one of ``pids`` has exited or ``deadline`` (``time.monotonic()``)
+    passes; True if all did. A pidfd becomes readable when its process exits, so this
+    sleeps in ``select`` rather than polling."""
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                fds.append(os.pidfd_open(pid))
+        while fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select(fds, [], [], left)
+            for fd in ready:
+                fds.remove(fd)
+                os.close(fd)
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def wait_group_gone(pgid: int, deadline: float) -> bool:
+    """Wait until no process of group ``pgid`` is alive (members it starts meanwhile
+    included) or ``deadline`` passes; True if it is gone."""
+    while True:
+        alive = [pid for pid, _ in group_members(pgid)]
+        if not alive:
+            return True
+        if not wait_gone(alive, deadline):
+            return False
+
+
+def mp_shared_files(pids: Iterable[int]) -> list[str]:
+    """The multiprocessing shared-memory and semaphore files in /dev/shm that ``pids`` map.
+    Found by inode: glibc maps a new semaphore under a temporary name it then renames, so
+    a mapping's path need not be the file's."""
+    inodes = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) == 6 and fields[5].startswith(_SHM_DIR):
+                inodes.add(int(fields[4]))
+    found = []
+    with contextlib.suppress(OSError), os.scandir(_SHM_DIR) as entries:
+        for entry in entries:
+            if entry.name.startswith(_MP_SHM_PREFIXES):
+                with contextlib.suppress(OSError):
+                    if entry.inode() in inodes:
+                        found.append(entry.path)
+    return sorted(found)
+
+
+def shared_files_of_group(pgid: int) -> list[str]:
+    """:func:`mp_shared_files` of every live process of group ``pgid``."""
+    return mp_shared_files(pid for pid, _ in group_members(pgid))
+
+
+def unlink_existing(paths: Iterable[str]) -> list[str]:
+    """Remove those of ``paths`` that still exist; return them."""
+    removed = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def reap_group(proc: subprocess.Popen[bytes], timeout: float,
+               shared: Iterable[str] = ()) -> list[str]:
+    """Wait up to ``timeout`` for every process of the group ``proc`` leads to exit (the
+    leader may be gone already), SIGKILL what is left, then remove those of ``shared`` (the
+    group's :func:`shared_files_of_group`, taken before it was signalled: a process that
+    dies takes its list with it) that nobody removed. Returns what it removed."""
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout)
+    # The leader (vLLM's API server) exits first; its EngineCore and workers, and
+    # multiprocessing's resource tracker, go on shutting down and unlink their shared
+    # memory. Killing them at that moment is what left it behind.
+    if not wait_group_gone(proc.pid, deadline):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5.0)
+    wait_group_gone(proc.pid, time.monotonic() + 5.0)
+    return unlink_existing(shared)
+
+
 @dataclass
 class EngineServer:
     """One ``vllm serve`` process group and its log."""
@@ -201,6 +322,10 @@ class EngineServer:
     # its addresses, and whoever talks to the engine must be in a namespace that reaches it
     # (``runtime.tools.hosts.in_netns``).
     netns: str | None = None
+    # Set by stop(): the multiprocessing shared memory the group had mapped, and which of
+    # those files were still there once it was gone (removed then).
+    shared_files: list[str] = field(default_factory=list)
+    unlinked: list[str] = field(default_factory=list)
     _log: TextIO | None = field(default=None, repr=False)
 
     @property
@@ -258,23 +383,20 @@ class EngineServer:
     def terminate(self) -> None:
         """SIGTERM the process group: vLLM shuts its engine (and the connector) down."""
         if self.proc is not None and self.proc.poll() is None:
+            self._note_shared_files()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def _note_shared_files(self) -> None:
+        assert self.proc is not None
+        known = set(self.shared_files)
+        self.shared_files += [f for f in shared_files_of_group(self.proc.pid) if f not in known]
 
     def _group(self) -> list[tuple[int, str]]:
         """(pid, comm) of every live process in the engine's process group."""
         if self.proc is None or self.proc.poll() is not None:
             return []
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                head, _, rest = stat.read_text().rpartition(")")
-                comm, pgid = head.partition("(")[2], int(rest.split()[2])
-            except (OSError, ValueError, IndexError):
-                continue  # a process that just ended
-            if pgid == self.proc.pid:
-                found.append((int(stat.parent.name), comm))
-        return sorted(found)
+        return group_members(self.proc.pid)
 
     def processes(self) -> list[tuple[int, str]]:
         """(pid, comm) of every live process of the engine (API server, EngineCore, worker)."""
@@ -321,18 +443,12 @@ class EngineServer:
         return "\n".join(lines)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """:meth:`terminate`, wait up to ``timeout``, SIGKILL what is left of the group.
-        Safe to call twice."""
-        proc = self.proc
-        if proc is not None:
+        """:meth:`terminate`, wait up to ``timeout`` for every process of the group, SIGKILL
+        what is left, and remove the multiprocessing shared memory the group had mapped
+        that nobody removed (``shared_files``, ``unlinked``). Safe to call twice."""
+        if self.proc is not None:
             self.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout)
-            # The group may outlive its leader (EngineCore, worker): kill stragglers too.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
+            self.unlinked += reap_group(self.proc, timeout, self.shared_files)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -802,9 +918,7 @@ class ReferenceRun:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5.0)
+            reap_group(self.proc, 0.0, shared_files_of_group(self.proc.pid))
         self._log.close()
 
 

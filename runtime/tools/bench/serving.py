@@ -456,13 +456,25 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
         for s in systems.values():
             if s.shared_dir:
                 shutil.rmtree(s.shared_dir, ignore_errors=True)
+    shared_memory = engine_shared_memory(systems)
     rep = build_report(cfg, reqs, by_idx, reference, turns, skipped, stats, startup_s,
                        time.monotonic() - t0, shape.block_size)
     rep["binding"] = binds
     rep["whole_engines_pinned"] = whole
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups
+    rep["engine_shared_memory"] = shared_memory
     return rep
+
+
+def engine_shared_memory(systems: dict[str, System]) -> dict[str, dict[str, int]]:
+    """Per stopped engine, its multiprocessing shared memory in /dev/shm (vLLM's message
+    queues): how many files it had mapped, how many it left that stopping it removed, and
+    how many are still there (0 unless removing failed)."""
+    return {f"{name}/{role}": {"mapped": len(server.shared_files),
+                               "removed": len(server.unlinked),
+                               "left": sum(Path(f).exists() for f in server.shared_files)}
+            for name, system in systems.items() for role, server in system.servers.items()}
 
 
 def peer_failure(name: str, turn: Turn) -> str | None:

@@ -1,0 +1,115 @@
+"""Stopping an engine leaves nothing in /dev/shm.
+
+``vllm serve`` is a process group: the API server leads it, the EngineCore and its workers
+talk through multiprocessing shared memory (``psm_*``) and semaphores (``sem.mp-*``), and
+multiprocessing's resource tracker removes what a dead process left. The API server exits
+first on SIGTERM; an engine stopped by killing the group at that moment left those files in
+/dev/shm for good. These tests run a real process group of that shape (a shell leading a
+Python process that makes real multiprocessing shared memory) through
+:meth:`EngineServer.stop`, with no vLLM needed.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+from pathlib import Path
+
+import pytest
+
+from sfa_rd2h.runtime.vllm import launch
+
+# The EngineCore stand-in: makes a shared memory block and a named semaphore the way
+# vLLM's message queues and multiprocessing do, says their files, then on SIGTERM either
+# shuts down slowly and removes them itself ("slow", as an EngineCore stopping its workers)
+# or never acts on SIGTERM at all ("stuck").
+STAND_IN = r"""
+import multiprocessing, os, signal, sys, time
+from multiprocessing import shared_memory
+
+fifo, mode = sys.argv[1], sys.argv[2]
+block = shared_memory.SharedMemory(create=True, size=1 << 20)
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore in /dev/shm
+names = ["/dev/shm/" + block.name, "/dev/shm/sem." + lock._semlock.name.lstrip("/")]
+if mode == "stuck":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by sigwait below
+with open(fifo, "w") as out:
+    out.write(" ".join(names) + "\n")
+if mode == "stuck":
+    while True:
+        signal.pause()
+signal.sigwait({signal.SIGTERM})
+time.sleep(1.0)  # the stand-in's slow shutdown: what the stopping side must wait out
+block.close()
+block.unlink()
+del lock  # its finalizer removes the semaphore's file
+"""
+
+
+def _start(tmp_path: Path, mode: str) -> tuple[launch.EngineServer, list[str]]:
+    script = tmp_path / "engine_core.py"
+    script.write_text(STAND_IN)
+    fifo = tmp_path / "names"
+    os.mkfifo(fifo)
+    # The shell leads the group and exits on SIGTERM at once, as vLLM's API server does
+    # before its EngineCore has finished.
+    cmd = ["sh", "-c", f'"{sys.executable}" "{script}" "{fifo}" {mode} & wait']
+    server = launch.EngineServer(name=f"stand-in-{mode}", port=0, cmd=cmd,
+                                 env=dict(os.environ), log_path=tmp_path / f"{mode}.log")
+    server.start()
+    # Readable once the stand-in has written (or died): a FIFO opened without blocking
+    # reports no hang-up before a writer has come and gone.
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        ready, _, _ = select.select([fd], [], [], 120.0)
+        files = os.read(fd, 4096).decode().split() if ready else []
+    finally:
+        os.close(fd)
+    if len(files) != 2:
+        server.stop()
+        pytest.fail(f"the stand-in did not say its files; log:\n{server.log_text()}")
+    assert all(Path(f).exists() for f in files), files
+    return server, files
+
+
+@pytest.mark.parametrize("mode", ["slow", "stuck"])
+def test_a_stopped_engine_leaves_no_shared_memory(tmp_path: Path, mode: str) -> None:
+    server, files = _start(tmp_path, mode)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    try:
+        server.stop(timeout=15.0 if mode == "slow" else 2.0)
+    finally:
+        launch.unlink_existing(files)  # never leave them behind, whatever failed
+    assert launch.group_members(pgid) == []
+    assert sorted(server.shared_files) == sorted(files)
+    left = [f for f in files if Path(f).exists()]
+    assert left == [], f"{mode}: {left} left in /dev/shm; log:\n{server.log_text()}"
+    if mode == "slow":
+        # It removed its own files: stop() waited for it after the shell had gone.
+        assert server.unlinked == []
+    else:
+        # Killed: stop() removed what it had mapped.
+        assert sorted(server.unlinked) == sorted(files)
+    server.stop()  # twice is fine
+    assert server.unlinked == ([] if mode == "slow" else sorted(files))
+
+
+def test_waiting_for_processes_returns_when_they_exit_or_at_the_deadline() -> None:
+    import subprocess
+    import time
+
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert launch.wait_gone([quick.pid], time.monotonic() + 30.0)
+        started = time.monotonic()
+        assert not launch.wait_gone([slow.pid], started + 0.2)
+        assert time.monotonic() - started < 10.0
+    finally:
+        slow.kill()
+        slow.wait()
+        quick.wait()
