@@ -132,16 +132,6 @@ def _send(env: Env, cases: Sequence[launch.Case],
         return list(pool.map(one, range(len(cases))))
 
 
-def _jobs(proxy_url: str, n: int, deadline: float) -> list[dict]:
-    """The proxy's records of finished completions, once ``n`` are there (a record is
-    written when Decode answered and Prefill's own answer, which may trail, came in)."""
-    while True:
-        jobs = launch.get_json(f"{proxy_url}/v1/proxy/jobs")
-        if len(jobs) >= n or time.monotonic() >= deadline:
-            return jobs
-        time.sleep(0.05)  # polling a server's record: nothing to await from here
-
-
 def _mismatches(env: Env, cases: Sequence[launch.Case],
                 results: Sequence[list[list[int]] | Exception]) -> list[str]:
     bad = []
@@ -184,7 +174,7 @@ def test_disaggregated_outputs_equal_single_engine_token_for_token(env: Env) -> 
     assert p.get("blocks_sent") == env.blocks, p
     assert p.get("send_failures", 0) == 0, p
 
-    jobs = _jobs(env.dep.proxy.url, len(env.cases), time.monotonic() + 10)
+    jobs = env.dep.proxy.records(len(env.cases), timeout=10.0)
     assert [j["outcome"] for j in jobs] == ["ok"] * len(env.cases)
     # Blocks are freed on both sides (Prefill's once every READY was answered, S1).
     launch.wait_drained(env.dep.prefill, time.monotonic() + 30)
@@ -307,7 +297,7 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     launch.wait_drained(env.dep.prefill, time.monotonic() + 60)
     launch.wait_drained(env.dep.servers[FAILING], time.monotonic() + 30)
     launch.wait_drained(env.dep.decode, time.monotonic() + 30)
-    (job,) = _jobs(env.dep.proxies[FAILING].url, 1, time.monotonic() + 10)
+    (job,) = env.dep.proxies[FAILING].records(1, timeout=10.0)
     assert job["outcome"].startswith("the KV of ") and "F2: batched read returned" in \
         job["outcome"], job
     assert "Decode rank 0 could not receive the KV: F2" in error.body, error.body

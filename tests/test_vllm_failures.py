@@ -59,6 +59,7 @@ def test_a_failure_report_ends_the_completion_at_once(lost):
     assert b.decode_cancelled.wait(5.0)  # Decode's request was aborted
     b.reporter.close(5.0)  # its thread counts the answer after the proxy acted on it
     assert (b.reporter.sent, b.reporter.undelivered) == (1, 0)
+    assert len(proxy.records(1, timeout=10.0)) == 1  # written once Prefill's answer is in
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
     assert "will not reach decode" in jobs[-1]["outcome"]
     assert proxy.jobs_in_flight == 0

@@ -211,6 +211,9 @@ def _across_hosts(lab: hosts_mod.Lab, prefills: list[str], tmp_path: Path) -> li
         local = sources.get("local_compute", 0.0) + sources.get("local_cache_hit", 0.0)
         assert local <= len(prompts), sources
         assert sources.get("external_kv_transfer", 0.0) + local == sum(map(len, prompts))
+        # A completion's record is written once Prefill's own answer, which may trail
+        # Decode's, is in: all of them before the intruder's check counts the records.
+        assert len(proxy.records(len(cases), timeout=30.0)) == len(cases)
         for line in _an_intruder_gets_nothing_in(lab, url, keys["decode"][1]):
             print(f"intruder: {line}")
         for name in roles:  # what listens where, for the README's firewall advice

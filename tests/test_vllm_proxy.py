@@ -90,9 +90,25 @@ def test_single_prompt_flows_decode_first(backends, proxy):
                                    remote_host="127.0.0.1", remote_port=20000,
                                    remote_tp_size=1).to_json(),
                       "metaserver": proxy.metaserver_url}
+    assert len(proxy.records(1, timeout=10.0)) == 1  # written once Prefill's answer is in
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
     assert jobs[-1]["outcome"] == "ok" and jobs[-1]["rendezvous_ms"] is not None
     assert jobs[-1]["prefill_status"] == 200  # what Prefill answered, for a stuck request
+
+
+def test_a_record_written_after_the_client_has_its_answer_can_be_awaited(backends, proxy):
+    # Decode answers once the KV landed; Prefill's own answer trails it, and the job's
+    # record is written only when both are in.
+    backends.prefill_answer.clear()
+    r = complete(proxy, {"model": "m", "prompt": [7, 8, 9], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert proxy.records() == [] and proxy.records(1, timeout=0.05) == []
+    assert httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json() == []
+    backends.prefill_answer.set()
+    (job,) = proxy.records(1, timeout=10.0)
+    assert job["outcome"] == "ok" and job["prefill_status"] == 200
+    assert job["done_ms"] <= job["prefill_done_ms"], job  # the client had it first
+    assert httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json() == [job]
 
 
 def test_prompt_list_reaches_prefill_once_after_every_rendezvous(backends, proxy):

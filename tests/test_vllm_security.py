@@ -80,6 +80,7 @@ def test_with_the_token_a_completion_works_and_the_token_stays_at_the_proxy(guar
     assert [status for _, status in b.posted] == [200]  # Decode's rendezvous got in
     (d_call,) = b.decode_calls
     assert d_call["authorization"] is None  # not forwarded to the engines
+    assert len(proxy.records(1, timeout=10.0)) == 1  # written once Prefill's answer is in
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False,
                      headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert jobs[-1]["outcome"] == "ok"

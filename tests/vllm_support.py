@@ -92,6 +92,10 @@ class Backends:
     # Decode then answers only once the KV landed *and* this is set
     decode_release: threading.Event = field(
         default_factory=lambda: _set(threading.Event()))
+    # cleared by a test whose Prefill must answer after Decode: the fake Prefill pushes the
+    # KV at once but sends its own 1-token answer only once this is set
+    prefill_answer: threading.Event = field(
+        default_factory=lambda: _set(threading.Event()))
     decode: AppServer | None = None
     prefill: AppServer | None = None
     reporter: FailureReporter = field(
@@ -237,6 +241,7 @@ class Backends:
                                          "within 5.0s")
                 else:
                     self.event(f"cmpl-{xrid}-{i}").set()
+            await asyncio.to_thread(self.prefill_answer.wait, self.decode_wait_s)
             return JSONResponse({"choices": [
                 {"index": i, "text": "", "token_ids": fake_tokens(p, 1)}
                 for i, p in enumerate(split_prompt(body["prompt"]))],

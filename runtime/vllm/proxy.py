@@ -261,6 +261,9 @@ class DisaggProxy:
         self._jobs: dict[str, _Job] = {}
         self._subs: dict[str, tuple[_Job, int]] = {}
         self._recent: deque[dict[str, Any]] = deque(maxlen=1024)
+        # Records are written on the event loop; records() waits for them from other threads.
+        self._recorded = threading.Condition()
+        self._records_written = 0
         self._client: httpx.AsyncClient | None = None
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -277,6 +280,15 @@ class DisaggProxy:
     def jobs_in_flight(self) -> int:
         """Completions the proxy still tracks (a finished run must leave none)."""
         return len(self._jobs)
+
+    def records(self, at_least: int = 0, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """The finished completions' records (what ``/v1/proxy/jobs`` answers), once
+        ``at_least`` have been written since start or ``timeout`` seconds have passed. A
+        record is written when Decode's answer has ended and Prefill's own answer, which may
+        trail it, has come in: a client holding its completion can still see it missing."""
+        with self._recorded:
+            self._recorded.wait_for(lambda: self._records_written >= at_least, timeout)
+            return list(self._recent)
 
     @property
     def metaserver_url(self) -> str:
@@ -441,7 +453,7 @@ class DisaggProxy:
 
         @app.get("/v1/proxy/jobs")
         async def jobs() -> list[dict[str, Any]]:
-            return list(self._recent)
+            return self.records()
 
         return app
 
@@ -685,7 +697,10 @@ class DisaggProxy:
             job.reaper.cancel()
         for sub in job.sub_ids:
             self._subs.pop(sub, None)
-        self._recent.append(job.record())
+        with self._recorded:
+            self._recent.append(job.record())
+            self._records_written += 1
+            self._recorded.notify_all()
 
     # ------------------------------------------------------------------ metaserver
 
