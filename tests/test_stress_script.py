@@ -6,6 +6,7 @@ counted as a failure, and the hogs and the /dev/shm churn really running and rea
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -100,6 +101,53 @@ def test_a_killed_run_still_reports_the_runs_that_finished(tmp_path: Path) -> No
     assert report["interrupted"] is True
     assert report["modules"]["tests/test_interop.py"]["runs"] > 0
     assert len(report["invocations"]) == 1
+
+
+def test_a_killed_run_stops_what_the_run_started(tmp_path: Path) -> None:
+    """SIGTERM in the middle of a run stops the run's whole process group: a grandchild
+    too, as `bash .ci/run`'s pytest is one (it used to run on after the script ended)."""
+    import select
+    import signal
+    import subprocess
+
+    fifo = tmp_path / "pid"
+    os.mkfifo(fifo)
+    driver = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from pathlib import Path\n"
+        "from test_stress_script import _stress\n"
+        "stress = _stress()\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))\n"
+        f"stress._run(['bash', '-c', 'sleep 600 & echo $! > {fifo}; wait'], 'run',\n"
+        f"           stress.Results(), Path({str(tmp_path)!r}), dict(os.environ),\n"
+        f"           Path({str(tmp_path / 'log')!r}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    grandchild = None
+    try:
+        # Readable once the run's shell has written (or died): no hang-up before a writer.
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            ready, _, _ = select.select([fd], [], [], 120.0)
+            grandchild = int(os.read(fd, 64).decode().strip() or 0) if ready else None
+        finally:
+            os.close(fd)
+        assert grandchild, "the run never started its grandchild"
+        pidfd = os.pidfd_open(grandchild)
+        try:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=150) == 128 + signal.SIGTERM
+            gone, _, _ = select.select([pidfd], [], [], 30.0)  # readable once it exited
+            assert gone, f"the run's grandchild {grandchild} outlived the killed script"
+        finally:
+            os.close(pidfd)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if grandchild:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
 
 
 def test_a_check_spread_over_sittings_resumes_and_counts_one_commit(tmp_path: Path) -> None:

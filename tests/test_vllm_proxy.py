@@ -104,8 +104,10 @@ def test_a_record_written_after_the_client_has_its_answer_can_be_awaited(backend
     assert r.status_code == 200, r.text
     assert proxy.records() == [] and proxy.records(1, timeout=0.05) == []
     assert httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json() == []
+    assert proxy.jobs_in_flight == 1 and not proxy.wait_idle(0.05)
     backends.prefill_answer.set()
-    (job,) = proxy.records(1, timeout=10.0)
+    assert proxy.wait_idle(10.0) and proxy.jobs_in_flight == 0
+    (job,) = proxy.records(1, timeout=0.0)  # idle: every record written
     assert job["outcome"] == "ok" and job["prefill_status"] == 200
     assert job["done_ms"] <= job["prefill_done_ms"], job  # the client had it first
     assert httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json() == [job]

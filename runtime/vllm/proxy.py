@@ -290,6 +290,13 @@ class DisaggProxy:
             self._recorded.wait_for(lambda: self._records_written >= at_least, timeout)
             return list(self._recent)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the proxy tracks no completion, every one's record written (Prefill's
+        answer may come in after the client has its own), or ``timeout`` seconds pass; True
+        if it is idle."""
+        with self._recorded:
+            return self._recorded.wait_for(lambda: not self._jobs, timeout)
+
     @property
     def metaserver_url(self) -> str:
         """Where Decode's connector posts its rendezvous."""
@@ -691,13 +698,15 @@ class DisaggProxy:
             self._forget(job)
 
     def _forget(self, job: _Job) -> None:
-        if self._jobs.pop(job.xrid, None) is None:
-            return
-        if job.reaper is not None:
-            job.reaper.cancel()
-        for sub in job.sub_ids:
-            self._subs.pop(sub, None)
+        # One step for a waiter in records() or wait_idle(): no job in flight means every
+        # record written.
         with self._recorded:
+            if self._jobs.pop(job.xrid, None) is None:
+                return
+            if job.reaper is not None:
+                job.reaper.cancel()
+            for sub in job.sub_ids:
+                self._subs.pop(sub, None)
             self._recent.append(job.record())
             self._records_written += 1
             self._recorded.notify_all()

@@ -131,9 +131,7 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
     drained, leaked, held = drain(system, time.monotonic() + drain_s)
     jobs = 0
     if system.proxy is not None:
-        end = time.monotonic() + drain_s
-        while system.proxy.jobs_in_flight and time.monotonic() < end:
-            time.sleep(0.02)  # the proxy's loop is another thread: nothing to await here
+        system.proxy.wait_idle(drain_s)
         jobs = system.proxy.jobs_in_flight
     cpu = sum(group_cpu_seconds(s) for s in system.servers.values()) - cpu0
     after = source_tokens(decode.url) if decode is not None else {}
@@ -339,7 +337,9 @@ def warm_up(system: System, reqs: Sequence[Req], deadline: float) -> dict[str, A
            "drained": drained, "held": held,
            "errors": [o.error[:200] for o in failed][:3]}
     if system.proxy is not None:
-        # Where the first burst's time goes, the stall (b) if there is one.
+        # Where the first burst's time goes, the stall (b) if there is one; a job's record
+        # is written once Prefill's answer is in, which may be after the engines drained.
+        system.proxy.wait_idle(max(0.0, deadline - time.monotonic()))
         out["breakdown"] = breakdown([j for j in _proxy_jobs(system) if j["id"] not in seen],
                                      outs, {})
     return out
