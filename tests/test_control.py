@@ -2054,8 +2054,11 @@ def test_a_reply_to_a_vanished_prefill_is_counted_and_forgets_its_connection(
 
     core = DecodeCore(0, 1, d.layouts, observer=observe)
     dw = DecodeWorker(core, de, 0, on_ready=on_ready)
-    ctx = zmq.Context()
-    gone, other = _dealer(ctx, dw.port, b"gone"), _dealer(ctx, dw.port, b"other")
+    # The vanishing peer has a context of its own: terminating it returns only once its
+    # socket is closed, so its FIN is on the loopback wire before what follows. (Closed in a
+    # shared context, its I/O thread could send the FIN after the round trips below.)
+    gone_ctx, ctx = zmq.Context(), zmq.Context()
+    gone, other = _dealer(gone_ctx, dw.port, b"gone"), _dealer(ctx, dw.port, b"other")
     meta = wire.encode(wire.MfMeta(pe.session_id, p.layers, wire.PROTOCOL_VERSION))
     try:
         gone.send(meta)
@@ -2066,10 +2069,16 @@ def test_a_reply_to_a_vanished_prefill_is_counted_and_forgets_its_connection(
         with cond:
             assert cond.wait_for(lambda: len(held) == 2, WAIT)
         gone.close()
-        # A round trip on another connection, begun after the close: by its reply the ROUTER
-        # has seen the first connection end.
-        other.send(meta)
-        assert wire.decode_meta_reply(_recv(other)).accepted
+        gone_ctx.term()
+        # Round trips on another connection, each begun after the FIN: the Decode side's one
+        # ZMQ I/O thread sees the FIN no later than the first one's bytes (loopback keeps
+        # their order), and then needs a few turns of its loop, each of which a round trip
+        # forces, to hand the connection's end to the ROUTER (engine, session, pipe). The
+        # ROUTER takes that in before its next send: by then it has dropped "gone".
+        round_trips = 4
+        for _ in range(round_trips):
+            other.send(meta)
+            assert wire.decode_meta_reply(_recv(other)).accepted
         assert b"gone".hex() in core.connections
         with caplog.at_level("WARNING", logger="sfa_rd2h.runtime.control"):
             dw.register_request("late1", [7], [8])
@@ -2077,12 +2086,14 @@ def test_a_reply_to_a_vanished_prefill_is_counted_and_forgets_its_connection(
             with cond:
                 assert cond.wait_for(lambda: len(answered) == 2, WAIT)
         # The second reply (READ_FAILED: its connection lost its MF_META) is undeliverable too.
-        assert (dw.stats.undeliverable, dw.stats.frames_sent) == (2, 2)
+        # Sent: the MF_META replies, one to "gone" and one per round trip.
+        assert (dw.stats.undeliverable, dw.stats.frames_sent) == (2, 1 + round_trips)
         assert caplog.messages == [f"decode rank 0: reply to {b'gone'.hex()} undeliverable: "
                                    "Host unreachable"]
         assert list(core.connections) == [b"other".hex()]
     finally:
         gone.close()
+        gone_ctx.term()
         other.close()
         dw.close()
         ctx.term()
