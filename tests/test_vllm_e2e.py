@@ -301,14 +301,14 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
     assert job["outcome"].startswith("the KV of ") and "F2: batched read returned" in \
         job["outcome"], job
     assert "Decode rank 0 could not receive the KV: F2" in error.body, error.body
+    logged = "KV load failure" in env.dep.servers[FAILING].log_text()
     if job["decode_headers_ms"] is not None:
         # Decode answered first, so vLLM's own failure policy ended the request
-        assert "KV load failure" in env.dep.servers[FAILING].log_text()
+        assert logged
     else:
         # The connector's report overtook Decode's answer and the proxy closed Decode's
         # call: vLLM may then abort the request before a step takes up the failed
         # load, and logs nothing of it. Either way it ended: the Decode drained above.
-        logged = "KV load failure" in env.dep.servers[FAILING].log_text()
         print("the failure report overtook Decode's answer; vLLM "
               + ("failed the load itself" if logged else "aborted on the proxy's close"))
     env.figures["failure_case"] = {"failing_decode": f, "prefill": p}

@@ -20,6 +20,7 @@ CLI: ``sfa-rd2h hosts up prefill decode proxy``, ``hosts run decode -- CMD``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import os
@@ -34,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from sfa_rd2h.runtime.processes import pidfds, wait_exit
 
 T = TypeVar("T")
 
@@ -277,27 +280,13 @@ def _pids(netns: str) -> list[int]:
 def _kill_all(netns: str) -> None:
     """SIGKILL every process in ``netns`` and wait for each to exit (a pidfd turns readable
     when its process ends), until none is left there; bounded by ``_KILL_WAIT_S``."""
-    import select
-
     deadline = time.monotonic() + _KILL_WAIT_S
     while pids := _pids(netns):
-        fds = []
-        for pid in pids:
-            try:
-                fds.append(os.pidfd_open(pid))
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            left = max(0.0, deadline - time.monotonic())
-            pending = list(fds)
-            while pending and left > 0:
-                ready, _, _ = select.select(pending, [], [], left)
-                pending = [fd for fd in pending if fd not in ready]
-                left = max(0.0, deadline - time.monotonic())
-        finally:
-            for fd in fds:
-                os.close(fd)
+        with pidfds(pids) as fds:
+            for pid in fds:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            wait_exit(fds.values(), deadline)
         if time.monotonic() >= deadline and _pids(netns):
             raise HostsError(f"processes {_pids(netns)} in {netns} survived SIGKILL for "
                              f"{_KILL_WAIT_S:g}s")

@@ -156,7 +156,7 @@ def run_vllm_demo(*, work_dir: Path, max_tokens: int = 8, chunk_tokens: int = 12
                                  launch.expected_blocks(served, opts.block_size), stats_deadline)
         p_stats = dep.wait_stats("prefill", "requests_sent", len(served), stats_deadline)
         dep.proxy.wait_idle(max(0.0, stats_deadline - time.monotonic()))
-        jobs = launch.get_json(f"{dep.proxy.url}/v1/proxy/jobs")
+        jobs = dep.proxy.records()
         startup_s = dep.startup_s or 0.0
         reference_s = dep.reference.seconds or 0.0
     finally:

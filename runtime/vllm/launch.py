@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sfa_rd2h.runtime.ports import free_ports
+from sfa_rd2h.runtime.processes import wait_gone
 
 CONNECTOR = "SfaRemoteD2HConnector"
 CONNECTOR_MODULE = "sfa_rd2h.runtime.vllm"
@@ -208,29 +208,6 @@ def group_members(pgid: int) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def wait_gone(pids: Iterable[int], deadline: float) -> bool:
-    """Wait until every one of ``pids`` has exited or ``deadline`` (``time.monotonic()``)
-    passes; True if all did. A pidfd becomes readable when its process exits, so this
-    sleeps in ``select`` rather than polling."""
-    fds: list[int] = []
-    try:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                fds.append(os.pidfd_open(pid))
-        while fds:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            ready, _, _ = select.select(fds, [], [], left)
-            for fd in ready:
-                fds.remove(fd)
-                os.close(fd)
-        return True
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 def wait_group_gone(pgid: int, deadline: float) -> bool:
     """Wait until no process of group ``pgid`` is alive (members it starts meanwhile
     included) or ``deadline`` passes; True if it is gone."""
@@ -287,13 +264,10 @@ def reap_group(proc: subprocess.Popen[bytes], timeout: float,
     leader may be gone already), SIGKILL what is left, then remove those of ``shared`` (the
     group's :func:`shared_files_of_group`, taken before it was signalled: a process that
     dies takes its list with it) that nobody removed. Returns what it removed."""
-    deadline = time.monotonic() + timeout
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout)
     # The leader (vLLM's API server) exits first; its EngineCore and workers, and
     # multiprocessing's resource tracker, go on shutting down and unlink their shared
     # memory. Killing them at that moment is what left it behind.
-    if not wait_group_gone(proc.pid, deadline):
+    if not wait_group_gone(proc.pid, time.monotonic() + timeout):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):

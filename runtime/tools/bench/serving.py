@@ -146,11 +146,7 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
 
 
 def _proxy_jobs(system: System) -> list[dict[str, Any]]:
-    from sfa_rd2h.runtime.vllm import launch
-
-    if system.proxy is None:
-        return []
-    return list(launch.get_json(f"{system.proxy.url}/v1/proxy/jobs"))
+    return [] if system.proxy is None else system.proxy.records()
 
 
 # ---------------------------------------------------------------------------- figures

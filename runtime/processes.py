@@ -1,0 +1,44 @@
+"""Waiting for processes to end without polling: a pidfd turns readable when its process
+exits, so a deadline-bounded ``select`` on pidfds sleeps until then."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import time
+from collections.abc import Iterable, Iterator
+
+
+@contextlib.contextmanager
+def pidfds(pids: Iterable[int]) -> Iterator[dict[int, int]]:
+    """``{pid: pidfd}`` for those of ``pids`` still alive; closed on exit. Opened before
+    anything is done to them, a pidfd cannot follow a recycled pid."""
+    fds: dict[int, int] = {}
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                fds[pid] = os.pidfd_open(pid)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def wait_exit(fds: Iterable[int], deadline: float) -> bool:
+    """Wait until every pidfd of ``fds`` reports its process exited, or ``deadline``
+    (``time.monotonic()``) passes; True if all did."""
+    pending = list(fds)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ready, _, _ = select.select(pending, [], [], left)
+        pending = [fd for fd in pending if fd not in ready]
+    return True
+
+
+def wait_gone(pids: Iterable[int], deadline: float) -> bool:
+    """Wait until every one of ``pids`` has exited or ``deadline`` passes; True if all did."""
+    with pidfds(pids) as fds:
+        return wait_exit(fds.values(), deadline)
