@@ -72,6 +72,8 @@ def test_the_load_runs_until_stopped_and_leaves_nothing() -> None:
     finally:
         load.stop()
     assert load.hogs_alive() == 0 and all(p.poll() is not None for p in load.procs)
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert not left, f"the churn's files outlived it: {left}"
 
 
 def test_a_killed_run_still_reports_the_runs_that_finished(tmp_path: Path) -> None:
@@ -196,3 +198,49 @@ def test_only_the_readme_and_the_records_are_not_code() -> None:
     assert not stress._not_code("README.md.orig") and not stress._not_code("spec/PROTOCOL.md")
     digest = stress.code_digest()
     assert len(digest) == 16 and digest == stress.code_digest()
+
+
+def test_a_run_cut_short_gets_its_teardown_when_started_with_sigint_ignored(
+        tmp_path: Path) -> None:
+    """Started in the background by a script, the stress script inherits SIGINT ignored;
+    the run it stops must still get the SIGINT and run its teardown (pytest's: stopping
+    engines, removing namespaces), not wait out the grace for a SIGKILL."""
+    import select
+    import signal
+    import subprocess
+
+    fifo, teardown = tmp_path / "pid", tmp_path / "teardown"
+    os.mkfifo(fifo)
+    run = (
+        "import os, signal\n"
+        f"open({str(fifo)!r}, 'w').write(str(os.getpid()))\n"
+        "try:\n"
+        "    signal.pause()\n"
+        "except KeyboardInterrupt:\n"
+        f"    open({str(teardown)!r}, 'w').write('ran')\n")
+    driver = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from pathlib import Path\n"
+        "from test_stress_script import _stress\n"
+        "stress = _stress()\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))\n"
+        f"stress._run([sys.executable, '-c', {run!r}], 'run', stress.Results(),\n"
+        f"           Path({str(tmp_path)!r}), dict(os.environ), Path({str(tmp_path / 'log')!r}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            ready, _, _ = select.select([fd], [], [], 120.0)
+            started = ready and os.read(fd, 64).decode().strip()
+        finally:
+            os.close(fd)
+        assert started, "the run never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=150) == 128 + signal.SIGTERM
+        assert teardown.exists(), "the run was killed without its SIGINT teardown"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
