@@ -114,16 +114,7 @@ def test_a_killed_run_stops_what_the_run_started(tmp_path: Path) -> None:
 
     fifo = tmp_path / "pid"
     os.mkfifo(fifo)
-    driver = (
-        "import os, signal, sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-        "from pathlib import Path\n"
-        "from test_stress_script import _stress\n"
-        "stress = _stress()\n"
-        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))\n"
-        f"stress._run(['bash', '-c', 'sleep 600 & echo $! > {fifo}; wait'], 'run',\n"
-        f"           stress.Results(), Path({str(tmp_path)!r}), dict(os.environ),\n"
-        f"           Path({str(tmp_path / 'log')!r}))\n")
+    driver = _run_driver(f"['bash', '-c', 'sleep 600 & echo $! > {fifo}; wait']", tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", driver])
     grandchild = None
     try:
@@ -218,15 +209,7 @@ def test_a_run_cut_short_gets_its_teardown_when_started_with_sigint_ignored(
         "    signal.pause()\n"
         "except KeyboardInterrupt:\n"
         f"    open({str(teardown)!r}, 'w').write('ran')\n")
-    driver = (
-        "import os, signal, sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-        "from pathlib import Path\n"
-        "from test_stress_script import _stress\n"
-        "stress = _stress()\n"
-        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))\n"
-        f"stress._run([sys.executable, '-c', {run!r}], 'run', stress.Results(),\n"
-        f"           Path({str(tmp_path)!r}), dict(os.environ), Path({str(tmp_path / 'log')!r}))\n")
+    driver = _run_driver(f"[sys.executable, '-c', {run!r}]", tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", driver],
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -244,3 +227,16 @@ def test_a_run_cut_short_gets_its_teardown_when_started_with_sigint_ignored(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _run_driver(cmd: str, tmp_path: Path) -> str:
+    """A program that ``_run``s the command list ``cmd`` (Python source) in ``tmp_path`` and
+    leaves on SIGTERM as the stress script does."""
+    return ("import os, signal, sys\n"
+            f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+            "from pathlib import Path\n"
+            "from test_stress_script import _stress\n"
+            "stress = _stress()\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))\n"
+            f"stress._run({cmd}, 'run', stress.Results(), Path({str(tmp_path)!r}),\n"
+            f"           dict(os.environ), Path({str(tmp_path / 'log')!r}))\n")
