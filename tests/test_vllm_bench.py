@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -178,14 +179,51 @@ def test_decode_may_compute_what_its_connector_never_sends() -> None:
     assert serving.local_tokens("example", 1, 32) == 1
 
 
-def test_each_system_gets_the_binding_it_would_get_alone() -> None:
+def test_every_system_gets_one_layout_with_the_answering_engine_on_one_core(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from sfa_rd2h.runtime.vllm import launch
 
-    alone = serving_systems.system_binds(["single", "sfa", "nixl"], per_system=True)
-    assert alone == {"single": launch.cpu_binds(1), "sfa": launch.cpu_binds(2),
-                     "nixl": launch.cpu_binds(2)}
-    together = serving_systems.system_binds(["single", "sfa", "nixl"], per_system=False)
-    assert [b for n in ("single", "sfa", "nixl") for b in together[n]] == launch.cpu_binds(5)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    names = ["single", "sfa", "nixl"]
+    alone = serving_systems.system_binds(names, per_system=True)
+    # single's engine where every Decode is; the bench process on Prefill's core, never
+    # on the core whose token cadence the engine ITL measures
+    assert alone == {"single": ["1"], "sfa": ["0", "1"], "nixl": ["0", "1"]}
+    assert serving_systems.bench_core(alone) == 0
+    assert serving_systems.system_binds(["single"], per_system=True) == {"single": ["0"]}
+    assert serving_systems.bench_core({"single": ["0"]}) == 1
+    together = serving_systems.system_binds(names, per_system=False)
+    assert [b for n in names for b in together[n]] == [launch.NO_BIND] * 5
+    assert serving_systems.bench_core(together) is None  # unpinned engines: nothing to avoid
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert serving_systems.bench_core(serving_systems.system_binds(names, True)) == 2
+
+
+def test_pinning_the_bench_process_covers_every_thread_and_is_undone() -> None:
+    import threading
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    seen: dict[str, set[int]] = {}
+    ready, release = threading.Event(), threading.Event()
+
+    def early() -> None:
+        ready.set()
+        release.wait(10)
+        seen["early"] = os.sched_getaffinity(0)
+
+    old = threading.Thread(target=early)
+    old.start()
+    ready.wait(10)
+    with serving_systems.pinned(core):
+        release.set()
+        old.join(10)
+        late = threading.Thread(target=lambda: seen.update(late=os.sched_getaffinity(0)))
+        late.start()
+        late.join(10)
+        seen["main"] = os.sched_getaffinity(0)
+    assert seen == {"early": {core}, "late": {core}, "main": {core}}
+    assert os.sched_getaffinity(0) == before
 
 
 def test_example_engines_take_whole_prompts() -> None:
@@ -306,6 +344,8 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
     # Each system ran alone: warmed up, then stopped outside its turns.
     assert report["paused_outside_turns"]
     assert set(report["binding"]) == {"single", "sfa"} and report["whole_engines_pinned"]
+    assert report["binding"]["single"] == report["binding"]["sfa"][-1:]
+    assert report["bench_core"] == serving_systems.bench_core(report["binding"])
     for name, warm in report["warmup"].items():
         assert warm["failed"] == 0 and warm["drained"], (name, warm)
     assert report["warmup"]["sfa"]["breakdown"]["jobs"] == 16  # the first burst's phases

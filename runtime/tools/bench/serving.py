@@ -51,6 +51,7 @@ from sfa_rd2h.runtime.tools.bench.serving_systems import (
     PEERS,
     SYSTEMS,
     System,
+    bench_core,
     first_line,
     group_cpu_seconds,
     histogram_args,
@@ -59,6 +60,7 @@ from sfa_rd2h.runtime.tools.bench.serving_systems import (
     histograms,
     last_error,
     num_blocks,
+    pinned,
     source_tokens,
     start_systems,
     stop_systems,
@@ -376,77 +378,84 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     startup_s = time.monotonic() - t0
     turns: list[Turn] = []
     warmups: dict[str, Any] = {}
+    binds = {name: s.binds for name, s in systems.items()}
+    # Off the answering engine's core in every system, as a proxy and its clients are in a
+    # deployment: unpinned, the client and sfa's proxy shared Decode's core, where
+    # single's engine had its core to itself (engine ITL p50 ratio 1.73 at 16).
+    core = bench_core(binds) if cfg.pause and not cfg.bind_all else None
+    if core is not None:
+        say(f"the bench process (client, sfa's proxy) on core {core}")
     try:
-        for name, system in systems.items():
-            if not warm_reqs:
-                continue
-            try:
-                with turn_of(system, cfg.pause):
-                    warmups[name] = warm_up(system, warm_reqs, time.monotonic() + 60)
-            except (OSError, launch.EngineError) as exc:
-                if name not in PEERS:
-                    raise
-                skipped[name] = f"failed: {first_line(str(exc))}{last_error(system)}"
-            else:
-                say(f"warm-up {name}: {json.dumps(warmups[name])}")
-                if name in PEERS and warmups[name]["failed"] == len(warm_reqs):
-                    skipped[name] = (f"failed: {first_line(warmups[name]['errors'][0])}"
-                                     f"{last_error(system)}")
-            if name in skipped:
-                say(f"{name}: {skipped[name]}")
-        say(f"engines up after {startup_s:.0f}s")
-        rounds = max(1, min(cfg.rounds, cfg.requests))
-        order = list(systems)
-        for scenario, conc, rate in scenarios:
-            slices = [workloads[scenario][i::rounds] for i in range(rounds)]
-            for rnd, part in enumerate(slices):
-                for name in order if rnd % 2 == 0 else reversed(order):
-                    if time.monotonic() > deadline:
-                        raise BenchError(f"--timeout {cfg.timeout_s:g}s passed")
-                    if name in skipped:
-                        continue
-                    try:
-                        with turn_of(systems[name], cfg.pause):
-                            turn = run_turn(systems[name], part, scenario, rnd,
-                                            concurrency=conc, rate=rate, seed=cfg.seed)
-                    except (OSError, launch.EngineError) as exc:
-                        if name not in PEERS:
-                            raise
-                        turn = None
-                        why = f"failed: {first_line(str(exc))}{last_error(systems[name])}"
-                    else:
-                        say(f"{scenario} round {rnd} {name}: {len(part)} requests in "
-                            f"{turn.wall_s:.2f}s")
-                        why = peer_failure(name, turn)
-                    if why:
-                        # A peer that fails is dropped with its reason, so the others'
-                        # rows and ratios still come out; its scenarios done so far stay.
-                        skipped[name] = f"{why} (in {scenario} round {rnd})"
-                        turns = [t for t in turns
-                                 if not (t.system == name and t.scenario == scenario)]
-                        say(f"{name}: {why}")
-                        continue
-                    assert turn is not None
-                    turns.append(turn)
-        say("reference outputs from single")
-        with turn_of(systems["single"], cfg.pause):
-            reference = take_reference(systems["single"], reqs, shape.max_output)
-        if "sfa" in systems:
-            # The connector's figures reach the log once a second: wait for the last ones.
-            got = sum(len(by_idx[o.idx].prompts) for t in turns if t.system == "sfa"
-                      for o in t.outcomes if o.success and not o.cancelled)
-            got += sum(len(r.prompts) for r in warm_reqs)
-            with turn_of(systems["sfa"], cfg.pause):
-                # ... including the failures of requests cancelled while their KV was on
-                # its way, which come in the agreement round after the cancel: every posted
-                # rendezvous ends received or failed (R5)
-                systems["sfa"].deployment.wait_stats(
-                    "decode", "requests_received", got, min(deadline, time.monotonic() + 15),
-                    also=_every_rendezvous_ended)
-        stats = {name: {role: launch.connector_stats(s.log_text())
-                        for role, s in sys_.servers.items()} for name, sys_ in systems.items()}
-        binds = {name: s.binds for name, s in systems.items()}
-        whole = all(s.whole_engine for s in systems.values())
+        with pinned(core):
+            for name, system in systems.items():
+                if not warm_reqs:
+                    continue
+                try:
+                    with turn_of(system, cfg.pause):
+                        warmups[name] = warm_up(system, warm_reqs, time.monotonic() + 60)
+                except (OSError, launch.EngineError) as exc:
+                    if name not in PEERS:
+                        raise
+                    skipped[name] = f"failed: {first_line(str(exc))}{last_error(system)}"
+                else:
+                    say(f"warm-up {name}: {json.dumps(warmups[name])}")
+                    if name in PEERS and warmups[name]["failed"] == len(warm_reqs):
+                        skipped[name] = (f"failed: {first_line(warmups[name]['errors'][0])}"
+                                         f"{last_error(system)}")
+                if name in skipped:
+                    say(f"{name}: {skipped[name]}")
+            say(f"engines up after {startup_s:.0f}s")
+            rounds = max(1, min(cfg.rounds, cfg.requests))
+            order = list(systems)
+            for scenario, conc, rate in scenarios:
+                slices = [workloads[scenario][i::rounds] for i in range(rounds)]
+                for rnd, part in enumerate(slices):
+                    for name in order if rnd % 2 == 0 else reversed(order):
+                        if time.monotonic() > deadline:
+                            raise BenchError(f"--timeout {cfg.timeout_s:g}s passed")
+                        if name in skipped:
+                            continue
+                        try:
+                            with turn_of(systems[name], cfg.pause):
+                                turn = run_turn(systems[name], part, scenario, rnd,
+                                                concurrency=conc, rate=rate, seed=cfg.seed)
+                        except (OSError, launch.EngineError) as exc:
+                            if name not in PEERS:
+                                raise
+                            turn = None
+                            why = f"failed: {first_line(str(exc))}{last_error(systems[name])}"
+                        else:
+                            say(f"{scenario} round {rnd} {name}: {len(part)} requests in "
+                                f"{turn.wall_s:.2f}s")
+                            why = peer_failure(name, turn)
+                        if why:
+                            # A peer that fails is dropped with its reason, so the others'
+                            # rows and ratios still come out; its scenarios done so far stay.
+                            skipped[name] = f"{why} (in {scenario} round {rnd})"
+                            turns = [t for t in turns
+                                     if not (t.system == name and t.scenario == scenario)]
+                            say(f"{name}: {why}")
+                            continue
+                        assert turn is not None
+                        turns.append(turn)
+            say("reference outputs from single")
+            with turn_of(systems["single"], cfg.pause):
+                reference = take_reference(systems["single"], reqs, shape.max_output)
+            if "sfa" in systems:
+                # The connector's figures reach the log once a second: wait for the last ones.
+                got = sum(len(by_idx[o.idx].prompts) for t in turns if t.system == "sfa"
+                          for o in t.outcomes if o.success and not o.cancelled)
+                got += sum(len(r.prompts) for r in warm_reqs)
+                with turn_of(systems["sfa"], cfg.pause):
+                    # ... including the failures of requests cancelled while their KV was on
+                    # its way, which come in the agreement round after the cancel: every posted
+                    # rendezvous ends received or failed (R5)
+                    systems["sfa"].deployment.wait_stats(
+                        "decode", "requests_received", got, min(deadline, time.monotonic() + 15),
+                        also=_every_rendezvous_ended)
+            stats = {name: {role: launch.connector_stats(s.log_text())
+                            for role, s in sys_.servers.items()} for name, sys_ in systems.items()}
+            whole = all(s.whole_engine for s in systems.values())
     finally:
         stop_systems(systems)
         for s in systems.values():
@@ -456,6 +465,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     rep = build_report(cfg, reqs, by_idx, reference, turns, skipped, stats, startup_s,
                        time.monotonic() - t0, shape.block_size)
     rep["binding"] = binds
+    rep["bench_core"] = core
     rep["whole_engines_pinned"] = whole
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups

@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,17 +229,65 @@ def engines_of(name: str) -> int:
 
 def system_binds(names: Sequence[str], per_system: bool) -> dict[str, list[str]]:
     """Each system's ``VLLM_CPU_OMP_THREADS_BIND`` per engine. Paused between turns, every
-    system gets the binding it would get alone on this machine (``launch.cpu_binds`` over
-    its own engines: a core each while there are enough), so all are measured alike and
-    engines of different systems share a core only while one of them is stopped. Left
-    running (``pause=False``), the binding is over all engines at once: with more engines
-    than cores every engine is unpinned, as two pinned to one core starve each other."""
+    system gets one layout (``launch.cpu_binds`` over the most engines any system has: a
+    core each while there are enough), the engine that answers the client (single's, a
+    Decode) always on the same core, so all are measured alike and engines of different
+    systems share a core only while one of them is stopped. Left running
+    (``pause=False``), the binding is over all engines at once: with more engines than
+    cores every engine is unpinned, as two pinned to one core starve each other."""
     from sfa_rd2h.runtime.vllm import launch
 
     if per_system:
-        return {n: launch.cpu_binds(engines_of(n)) for n in names}
+        most = max((engines_of(n) for n in names), default=1)
+        layout = launch.cpu_binds(most)
+        return {n: layout[most - engines_of(n):] for n in names}
     every = iter(launch.cpu_binds(sum(engines_of(n) for n in names)))
     return {n: [next(every) for _ in range(engines_of(n))] for n in names}
+
+
+def bench_core(binds: dict[str, list[str]]) -> int | None:
+    """The core of the bench process (the client, and sfa's proxy in it) in a layout of
+    ``system_binds(per_system=True)``: one no engine has, else the first engine's (a
+    Prefill's, busy only while a prompt is computed), never an answering engine's, whose
+    token cadence is what ITL measures; None while the engines are unpinned."""
+    from sfa_rd2h.runtime.vllm import launch
+
+    cores = [launch.bind_cores(b) for bs in binds.values() for b in bs]
+    if not cores or None in cores:
+        return None
+    used = frozenset().union(*cores)
+    free = sorted(set(os.sched_getaffinity(0)) - used)
+    if free:
+        return free[0]
+    answering = frozenset().union(*(launch.bind_cores(bs[-1]) or () for bs in binds.values()))
+    others = sorted(used - answering)
+    return others[0] if others else None
+
+
+@contextlib.contextmanager
+def pinned(core: int | None) -> Iterator[None]:
+    """Every thread of this process (and every one started meanwhile, which inherits it)
+    on ``core`` while inside; the affinity each had is back afterwards, so the engines and
+    tests this process starts later are not confined to it."""
+    if core is None:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    before: dict[int, set[int]] = {}
+    for tid in _threads():
+        with contextlib.suppress(ProcessLookupError):
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, {core})
+    try:
+        yield
+    finally:
+        for tid in _threads():  # a thread started inside gets what its starter had
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, before.get(tid, mine))
+
+
+def _threads() -> list[int]:
+    return [int(t) for t in os.listdir("/proc/self/task")]
 
 
 def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
