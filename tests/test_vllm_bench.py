@@ -79,10 +79,10 @@ def test_arguments_become_the_config() -> None:
     cfg = serving._config(_args(rate=2.5))
     assert isinstance(cfg, serving.BenchConfig)
     assert (cfg.systems, cfg.sweep, cfg.rate, cfg.rounds) == (("single", "sfa"), (1, 4), 2.5, 2)
-    assert (cfg.model, cfg.trace_dir) == ("tiny", None)
-    cfg = serving._config(_args(model="small", trace_dir="/tmp/t"))
+    assert (cfg.model, cfg.trace_dir, cfg.pin_bench) == ("tiny", None, False)
+    cfg = serving._config(_args(model="small", trace_dir="/tmp/t", pin_bench=True))
     assert isinstance(cfg, serving.BenchConfig)
-    assert (cfg.model, cfg.trace_dir) == ("small", "/tmp/t")
+    assert (cfg.model, cfg.trace_dir, cfg.pin_bench) == ("small", "/tmp/t", True)
 
 
 def test_model_sizes_are_the_launchers() -> None:
@@ -325,7 +325,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     require_cpu_platform()
     work: Path = tmp_path_factory.mktemp("vllm-bench")
     cfg = serving.BenchConfig(systems=("single", "sfa"), requests=40, sweep=(8,), rounds=2,
-                              seed=0, cancel_frac=0.10, timeout_s=420.0)
+                              seed=0, cancel_frac=0.10, timeout_s=420.0, pin_bench=True)
     return serving.run_bench(cfg, work)
 
 
@@ -345,6 +345,7 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
     assert report["paused_outside_turns"]
     assert set(report["binding"]) == {"single", "sfa"} and report["whole_engines_pinned"]
     assert report["binding"]["single"] == report["binding"]["sfa"][-1:]
+    assert report["bench_core"] is not None  # --pin-bench, with the engines pinned
     assert report["bench_core"] == serving_systems.bench_core(report["binding"])
     for name, warm in report["warmup"].items():
         assert warm["failed"] == 0 and warm["drained"], (name, warm)

@@ -4,6 +4,7 @@ client as an HTTP error within its deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import selectors
 import socket
@@ -194,6 +195,70 @@ def test_streaming_prefill_error_ends_the_stream_with_an_error_event(backends, p
     assert error["code"] == 502 and "prefill" in error["message"]
     assert len(lines) == 2  # no token before the error
     assert backends.decode_cancelled.wait(5.0)
+
+
+@pytest.mark.parametrize("when", ["before the body began", "while it stopped reading"])
+def test_a_client_gone_ends_its_job_and_aborts_decode_at_once(backends, proxy, when):
+    # Driven as an ASGI call on the proxy's own loop, so the disconnect lands in the same
+    # place every time. "before the body began": after Decode's headers reached the proxy,
+    # while the body waits for Decode's first token. "while it stopped reading": the client
+    # took the first chunk and no more, so the body generator sat at a yield when the
+    # response was cancelled, and its cleanup waited for the garbage collector (the job
+    # outlived the client; the bench counted such jobs after its turns). Both must end the
+    # job now. uvicorn says ASGI spec 2.3: Starlette watches for the disconnect itself.
+    early = when == "before the body began"
+    if early:
+        backends.decode_release.clear()  # Decode's stream stays open, no token yet
+    raw = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 8,
+                      "stream": True}).encode()
+    port = int(proxy.url.rsplit(":", 1)[1])
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", port),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())], "state": {}}
+    receives = 0
+
+    async def drive() -> list[dict]:
+        sent: list[dict] = []
+        never = asyncio.Event()
+        got_chunk = asyncio.Event()
+        gone = asyncio.Event()
+
+        async def receive() -> dict:
+            nonlocal receives
+            receives += 1
+            if receives == 1:
+                return {"type": "http.request", "body": raw, "more_body": False}
+            if receives == 2:  # the proxy's watch while it waits for Decode's headers
+                await never.wait()
+            if not early:
+                await got_chunk.wait()
+            gone.set()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                got_chunk.set()
+                # A client that stopped reading: like uvicorn, the send waits for the
+                # socket to drain, which it does when the connection is lost.
+                await gone.wait()
+
+        await proxy.app(scope, receive, send)
+        return sent
+
+    assert proxy._loop is not None
+    sent = asyncio.run_coroutine_threadsafe(drive(), proxy._loop).result(timeout=10.0)
+    assert receives >= 3  # the disconnect came after the proxy's own watch ended
+    chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+    assert len(chunks) == (0 if early else 1)
+    assert proxy.wait_idle(5.0) and proxy.jobs_in_flight == 0
+    if early:  # Decode's request, still waiting for its KV, was aborted
+        assert backends.decode_cancelled.wait(5.0)
+    (job,) = proxy.records()
+    assert job["outcome"] == "client gone"
 
 
 def test_missing_rendezvous_times_out_with_504(backends):

@@ -60,10 +60,11 @@ import time
 import urllib.parse
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
@@ -208,6 +209,28 @@ class _Job:
                 "prefill_status": self.prefill_status}
 
 
+class _DecodeStream(StreamingResponse):
+    """Decode's body relayed to the client, cleaned up as soon as the response is over,
+    however it ended. A client that leaves cancels the response wherever it is: with the
+    body generator at a yield, its ``finally`` runs only when the generator is finalized,
+    which left the job open long after the client had gone (``tests/test_vllm_proxy.py``);
+    with the generator not yet started, it has no ``finally`` to run."""
+
+    def __init__(self, content: AsyncIterator[bytes], *,
+                 on_exit: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._on_exit = on_exit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # A disconnect cancels this task's scope; the cleanup's awaits must still run.
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._on_exit()
+
+
 class DisaggProxy:
     """The proxy/metaserver as an ASGI app served by uvicorn.
 
@@ -280,6 +303,14 @@ class DisaggProxy:
     def jobs_in_flight(self) -> int:
         """Completions the proxy still tracks (a finished run must leave none)."""
         return len(self._jobs)
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The completions still tracked, each as its record would read now (a job that
+        outlives its client says how far it got: rendezvous, Prefill's call, Decode's
+        headers, the stream's end)."""
+        return [{**job.record(), "dispatched": job.dispatched,
+                 "prefill_pending": sum(not t.done() for t in job.prefill_tasks)}
+                for job in list(self._jobs.values())]
 
     def records(self, at_least: int = 0, timeout: float = 0.0) -> list[dict[str, Any]]:
         """The finished completions' records (what ``/v1/proxy/jobs`` answers), once
@@ -595,8 +626,19 @@ class DisaggProxy:
             return Response(data[:MAX_ERROR_BODY], status_code=resp.status_code,
                             media_type=resp.headers.get("content-type", "application/json"))
         streaming = bool(job.body.get("stream"))
-        return StreamingResponse(self._forward(job, resp, streaming), status_code=200,
-                                 media_type=resp.headers.get("content-type"))
+        return _DecodeStream(self._forward(job, resp, streaming),
+                             on_exit=lambda: self._stream_ended(job, resp),
+                             status_code=200, media_type=resp.headers.get("content-type"))
+
+    async def _stream_ended(self, job: _Job, resp: httpx.Response) -> None:
+        """The client's response is over, however it ended: ``_forward``'s cleanup has
+        run, or it never will (a response cancelled before its body began), so Decode's
+        stream and the job are closed here instead of at the reaper a deadline later."""
+        if "done" in job.times:  # _forward's finally ran
+            return
+        await resp.aclose()  # closing the connection aborts the request on Decode
+        job.times["done"] = asyncio.get_running_loop().time()
+        self._close_job(job, "client gone", cancel_prefill=True)
 
     async def _reported_cause(self, job: _Job, status: int) -> _Failure | None:
         """After Decode answered ``status`` >= 500 for a dispatched completion: the cause a
@@ -654,6 +696,10 @@ class DisaggProxy:
                 outcome = failure.message
                 yield _sse_error(failure.status, failure.message, failure.err_type)
                 break
+        except GeneratorExit:
+            # closed while suspended at a yield: the client left mid-stream
+            outcome = "client gone"
+            raise
         finally:
             if nxt is not None and not nxt.done():
                 # The client left mid-stream (Starlette cancelled this generator): closing

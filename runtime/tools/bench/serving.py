@@ -135,6 +135,7 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
     if system.proxy is not None:
         system.proxy.wait_idle(drain_s)
         jobs = system.proxy.jobs_in_flight
+        held += [f"{system.name}/proxy: {job}" for job in system.proxy.in_flight()]
     cpu = sum(group_cpu_seconds(s) for s in system.servers.values()) - cpu0
     after = source_tokens(decode.url) if decode is not None else {}
     sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -243,6 +244,7 @@ def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
     row["stalled_rounds"] = stalled_rounds(row["ttft_max_ms_by_round"],
                                            row["ttft_p50_ms_by_round"])
     row["mismatches"] = [m for t in turns for m in t["mismatches"]][:10]
+    row["held"] = [h for t in turns for h in t.get("held", [])][:10]  # what a drain left
     return row
 
 
@@ -306,6 +308,7 @@ class BenchConfig:
     warmup: int = 16  # unmeasured requests per system, all at once, before the rounds
     pause: bool = True  # SIGSTOP every system outside its own turns
     bind_all: bool = False  # one binding over all systems' engines (as if none were paused)
+    pin_bench: bool = False  # this process on a core off every answering engine's
     trace_dir: str | None = None  # sfa's connector traces (``sfa-rd2h validate``)
     model: str = "tiny"  # a key of launch.MODELS: how big the random Llama is
 
@@ -380,9 +383,10 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     warmups: dict[str, Any] = {}
     binds = {name: s.binds for name, s in systems.items()}
     # Off the answering engine's core in every system, as a proxy and its clients are in a
-    # deployment: unpinned, the client and sfa's proxy shared Decode's core, where
-    # single's engine had its core to itself (engine ITL p50 ratio 1.73 at 16).
-    core = bench_core(binds) if cfg.pause and not cfg.bind_all else None
+    # deployment: unpinned, the client and sfa's proxy share Decode's core, where single's
+    # engine has its core to itself. Not the default: on two cores that puts this process
+    # on Prefill's, and NIXL's Prefill then failed requests here (README).
+    core = bench_core(binds) if cfg.pin_bench and cfg.pause and not cfg.bind_all else None
     if core is not None:
         say(f"the bench process (client, sfa's proxy) on core {core}")
     try:
@@ -678,6 +682,10 @@ def add_vllm_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="leave every system's engines running through the others' turns "
                         "(all unpinned when they outnumber the cores) instead of stopping "
                         "them: only to measure what that costs")
+    p.add_argument("--pin-bench", action="store_true",
+                   help="pin this process (the client, sfa's proxy) for the turns to a core "
+                        "no answering engine has (a free one, else Prefill's), so Decode's "
+                        "token cadence is measured without the client beside it")
     p.add_argument("--timeout", type=float, default=3600.0, help="overall seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="DIR",
@@ -717,6 +725,7 @@ def _config(args: argparse.Namespace) -> BenchConfig | str:
     return BenchConfig(systems, args.requests, sweep, args.rate, args.rounds, args.seed,
                        args.cancel, args.chunk_tokens, args.timeout, warmup,
                        getattr(args, "pause", True), trace_dir=getattr(args, "trace_dir", None),
+                       pin_bench=getattr(args, "pin_bench", False),
                        model=getattr(args, "model", "tiny"))
 
 
