@@ -6,7 +6,7 @@ and the peers vLLM's own P/D connectors with the Prefill-then-Decode flow vLLM d
 for them, driven from the client. Every system is started once and stopped (SIGSTOP of
 every process of its engines) outside its own turns, so no two systems' engines are ever
 busy at once, and all share one core layout in which the engine that answers the client
-has a core the bench process never runs on.
+is always on the same core (with ``--pin-bench``, one the bench process never runs on).
 """
 
 from __future__ import annotations
