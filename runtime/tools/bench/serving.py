@@ -385,7 +385,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     # Off the answering engine's core in every system, as a proxy and its clients are in a
     # deployment: unpinned, the client and sfa's proxy share Decode's core, where single's
     # engine has its core to itself. Not the default: on two cores that puts this process
-    # on Prefill's, and NIXL's Prefill then failed requests here (README).
+    # on Prefill's, where NIXL's busy engines starved it for seconds (README).
     core = bench_core(binds) if cfg.pin_bench and cfg.pause and not cfg.bind_all else None
     if core is not None:
         say(f"the bench process (client, sfa's proxy) on core {core}")
