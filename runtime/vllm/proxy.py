@@ -627,18 +627,22 @@ class DisaggProxy:
                             media_type=resp.headers.get("content-type", "application/json"))
         streaming = bool(job.body.get("stream"))
         return _DecodeStream(self._forward(job, resp, streaming),
-                             on_exit=lambda: self._stream_ended(job, resp),
+                             on_exit=lambda: self._end_stream(job, resp, "client gone"),
                              status_code=200, media_type=resp.headers.get("content-type"))
 
-    async def _stream_ended(self, job: _Job, resp: httpx.Response) -> None:
-        """The client's response is over, however it ended: ``_forward``'s cleanup has
-        run, or it never will (a response cancelled before its body began), so Decode's
-        stream and the job are closed here instead of at the reaper a deadline later."""
-        if "done" in job.times:  # _forward's finally ran
+    async def _end_stream(self, job: _Job, resp: httpx.Response, outcome: str) -> None:
+        """Close Decode's stream (which aborts the request there if it is still running)
+        and the job, once: from ``_forward``'s cleanup, or when the client's response ended
+        without it (a response cancelled before its body began), instead of at the reaper
+        a deadline later."""
+        if "done" in job.times:
             return
-        await resp.aclose()  # closing the connection aborts the request on Decode
+        await resp.aclose()
         job.times["done"] = asyncio.get_running_loop().time()
-        self._close_job(job, "client gone", cancel_prefill=True)
+        # Decode answered: Prefill calls still running (its 1-token answer can trail
+        # Decode's) finish on their own, bounded by the deadline; on a failure they are
+        # no longer needed.
+        self._close_job(job, outcome, cancel_prefill=outcome != "ok")
 
     async def _reported_cause(self, job: _Job, status: int) -> _Failure | None:
         """After Decode answered ``status`` >= 500 for a dispatched completion: the cause a
@@ -709,12 +713,7 @@ class DisaggProxy:
                 nxt.add_done_callback(_retrieve)
                 nxt.cancel()
                 outcome = "client gone"
-            await resp.aclose()
-            job.times["done"] = loop.time()
-            # Decode answered: Prefill calls still running (its 1-token answer can trail
-            # Decode's) finish on their own, bounded by the deadline; on a failure they are
-            # no longer needed.
-            self._close_job(job, outcome, cancel_prefill=outcome != "ok")
+            await self._end_stream(job, resp, outcome)
 
     def _headers(self, request: Request, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
