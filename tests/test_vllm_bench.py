@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sfa_rd2h.runtime.tools.bench import serving, serving_load, serving_systems
+from sfa_rd2h.runtime.tools.bench import common, serving, serving_load, serving_systems
 
 pytestmark = [pytest.mark.timeout(480)]
 
@@ -83,6 +83,7 @@ def test_arguments_become_the_config() -> None:
     cfg = serving._config(_args(model="small", trace_dir="/tmp/t", pin_bench=True))
     assert isinstance(cfg, serving.BenchConfig)
     assert (cfg.model, cfg.trace_dir, cfg.pin_bench) == ("small", "/tmp/t", True)
+    assert cfg.freeze_gc and not serving._config(_args(freeze_gc=False)).freeze_gc
 
 
 def test_model_sizes_are_the_launchers() -> None:
@@ -165,6 +166,66 @@ def test_a_round_far_above_the_others_is_a_stall() -> None:
     assert serving.stalled_rounds([160.0, 90.0, 95.0], [40.0, 30.0, 35.0]) == []
     assert serving.stalled_rounds([1700.0], [40.0]) == []  # nothing to compare with
     assert serving.stalled_rounds([None, 90.0], [None, 30.0]) == []
+
+
+def test_a_stall_names_its_request_and_where_the_proxy_saw_its_time_go() -> None:
+    reqs = serving_load.make_workload(12, SHAPE, seed=3, cancel_frac=0.0)
+    by_idx = {r.idx: r for r in reqs}
+    reference = {p: [1] * r.max_tokens for r in reqs for p in r.prompts}
+
+    def turn(rnd: int, slow_ms: float) -> serving.Turn:
+        outs = [serving_load.Outcome(r.idx, success=True, tokens=[[1] * r.max_tokens] *
+                                     len(r.prompts), ttft=(slow_ms if i == 0 else 30.0) / 1e3,
+                                     latency=1.0, resp_id=f"cmpl-{rnd}-{r.idx}")
+                for i, r in enumerate(reqs[4 * rnd: 4 * rnd + 4])]
+        jobs = [{"id": f"cmpl-{rnd}-{r.idx}", "outcome": "ok", "rendezvous_ms": 6.0,
+                 "prefill_done_ms": 790.0 if slow_ms > 100 else 24.0,
+                 "decode_headers_ms": 4.0} for r in reqs[4 * rnd: 4 * rnd + 4]]
+        gc_pauses = {"collections": 3, "full": 1, "max_ms": 590.0 if slow_ms > 100 else 0.4,
+                     "total_ms": 600.0}
+        return serving.Turn("sfa", "c1", rnd, 1.0, 0.1, outs, True, 0, 0, {}, [], jobs, {},
+                            gc_pauses)
+
+    turns = [turn(0, 31.0), turn(1, 817.0), turn(2, 33.0)]
+    rep = serving.build_report(serving.BenchConfig(systems=("sfa",)), reqs, by_idx,
+                               reference, turns, {}, {}, 1.0, 2.0)
+    [stall] = rep["stalls"]
+    slow = reqs[4]
+    assert stall["round"] == 1 and stall["ttft_max_ms"] == 817.0
+    assert stall["slowest"]["idx"] == slow.idx
+    assert stall["slowest"]["kind"] == slow.kind
+    assert stall["slowest"]["prompt_tokens"] == slow.prompt_tokens
+    assert stall["slowest"]["job"]["prefill_done_ms"] == 790.0  # the phase it stalled in
+    assert [s["ttft_ms"] for s in rep["rows"][0]["slowest_by_round"]] == [31.0, 817.0, 33.0]
+    assert stall["bench_gc_max_ms"] == 590.0  # this process's own pause in that round
+    assert rep["bench_gc"] == {"frozen": True, "collections": 9, "full": 3, "max_ms": 590.0}
+    assert "prefill_done_ms" in serving.format_report(rep)
+
+
+def test_the_collector_pauses_of_this_process_are_counted_and_the_heap_can_be_frozen(
+) -> None:
+    import gc
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    with common.GcPauses() as pauses:
+        pauses.take()
+        for _ in range(1000):
+            Cycle()
+        gc.collect(2)
+        got = pauses.take()
+        assert got["full"] >= 1 and got["collections"] >= got["full"]
+        assert 0 < got["max_ms"] <= got["total_ms"]
+        assert pauses.take()["collections"] == 0  # taken once
+    assert pauses._hook not in gc.callbacks
+    frozen = gc.get_freeze_count()
+    try:
+        common.freeze_heap()
+        assert gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_decode_may_compute_what_its_connector_never_sends() -> None:

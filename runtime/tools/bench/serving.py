@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sfa_rd2h.runtime.tools.bench.common import BenchError, pct
+from sfa_rd2h.runtime.tools.bench.common import BenchError, GcPauses, freeze_heap, pct
 from sfa_rd2h.runtime.tools.bench.serving_load import (
     Outcome,
     Req,
@@ -98,6 +98,7 @@ class Turn:
     # The engine that answers the client (single's, Decode's): its latency histograms'
     # counts added in this turn, by ENGINE_HISTOGRAMS key.
     engine_hist: dict[str, dict[float, float]] = field(default_factory=dict)
+    gc: dict[str, Any] = field(default_factory=dict)  # this process's collections meanwhile
 
 
 def drain(system: System, deadline: float) -> tuple[bool, int, list[str]]:
@@ -119,17 +120,20 @@ def drain(system: System, deadline: float) -> tuple[bool, int, list[str]]:
 
 def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *,
              concurrency: int | None, rate: float | None, seed: int,
-             drain_s: float = 60.0) -> Turn:
+             drain_s: float = 60.0, pauses: GcPauses | None = None) -> Turn:
     decode = system.decode
     front = decode if decode is not None else system.servers["single"]
     before = source_tokens(decode.url) if decode is not None else {}
     hist0 = histograms(front.url)
     cpu0 = sum(group_cpu_seconds(s) for s in system.servers.values())
     jobs0 = _proxy_jobs(system)
+    if pauses is not None:
+        pauses.take()
     t0 = time.perf_counter()
     outcomes = asyncio.run(run_load(requests, system.submit, concurrency=concurrency,
                                     rate=rate, seed=seed + rnd))
     wall = time.perf_counter() - t0
+    gc_pauses = pauses.take() if pauses is not None else {}
     drained, leaked, held = drain(system, time.monotonic() + drain_s)
     jobs = 0
     if system.proxy is not None:
@@ -145,7 +149,7 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
     new = _proxy_jobs(system)
     seen = {j["id"] for j in jobs0}
     return Turn(system.name, scenario, rnd, wall, cpu, outcomes, drained, leaked, jobs,
-                sources, held, [j for j in new if j["id"] not in seen], engine_hist)
+                sources, held, [j for j in new if j["id"] not in seen], engine_hist, gc_pauses)
 
 
 def _proxy_jobs(system: System) -> list[dict[str, Any]]:
@@ -192,6 +196,7 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
                   for o in turn.outcomes if o.success or o.cancelled
                   for p in reqs[o.idx].prompts)
     recomputed = max(0.0, turn.sources.get("local_compute", 0.0) - allowed)
+    slowest = max((o for o in done if o.ttft is not None), key=lambda o: o.ttft, default=None)
     return {
         "requests": len(turn.outcomes), "completed": len(done),
         "cancelled": sum(o.cancelled for o in turn.outcomes),
@@ -200,6 +205,8 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
         "ttft_p50_ms": _ms(statistics.median(ttft)) if ttft else None,
         "ttft_p99_ms": _ms(pct(ttft, 0.99)) if ttft else None,
         "ttft_max_ms": _ms(max(ttft)) if ttft else None,
+        "slowest": None if slowest is None else slowest_request(slowest, reqs, turn.jobs),
+        "bench_gc": turn.gc,
         "itl_p50_ms": _ms(statistics.median(itl)) if itl else None,
         "itl_p99_ms": _ms(pct(itl, 0.99)) if itl else None,
         # The same two as the answering engine measured them (its /metrics histograms):
@@ -223,6 +230,18 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
     }
 
 
+def slowest_request(o: Outcome, reqs: dict[int, Req], jobs: Sequence[dict[str, Any]]
+                    ) -> dict[str, Any]:
+    """The request behind a round's TTFT max, and for ``sfa`` the proxy's record of it
+    (Decode's headers, the rendezvous, Prefill's call and answer, ms after the proxy got
+    it; ``t0`` on the clock of the connector traces): a stalled round says where."""
+    r = reqs[o.idx]
+    job = next((j for j in jobs if o.resp_id and j["id"] == o.resp_id), None)
+    return {"idx": o.idx, "kind": r.kind, "prompt_tokens": r.prompt_tokens,
+            "max_tokens": r.max_tokens, "stream": r.stream, "ttft_ms": _ms(o.ttft),
+            "job": job}
+
+
 _MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms",
                 "throughput_tok_s", "cpu_s_per_1k_tokens", "itl_engine_p50_ms",
                 "itl_engine_p99_ms", "ttft_engine_p50_ms")
@@ -241,6 +260,10 @@ def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
     row["drained"] = all(t["drained"] for t in turns)
     row["ttft_max_ms_by_round"] = [t["ttft_max_ms"] for t in turns]
     row["ttft_p50_ms_by_round"] = [t["ttft_p50_ms"] for t in turns]
+    row["slowest_by_round"] = [t.get("slowest") for t in turns]
+    # The client and sfa's proxy share this process: its longest collector pause per round
+    # is what a stall is first compared with.
+    row["bench_gc_max_ms_by_round"] = [t.get("bench_gc", {}).get("max_ms") for t in turns]
     row["stalled_rounds"] = stalled_rounds(row["ttft_max_ms_by_round"],
                                            row["ttft_p50_ms_by_round"])
     row["mismatches"] = [m for t in turns for m in t["mismatches"]][:10]
@@ -311,6 +334,10 @@ class BenchConfig:
     pin_bench: bool = False  # this process on a core off every answering engine's
     trace_dir: str | None = None  # sfa's connector traces (``sfa-rd2h validate``)
     model: str = "tiny"  # a key of launch.MODELS: how big the random Llama is
+    # Freeze this process's heap (its imports, vLLM's included) before the warm-up and
+    # again before every turn, outside the timing: else a full collection walks it mid-turn
+    # and holds the client and sfa's proxy for 0.4-0.9 s (the README's stalls).
+    freeze_gc: bool = True
 
 
 WARMUP_IDX = 10**6  # warm-up requests are numbered from here (never measured)
@@ -390,7 +417,9 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     if core is not None:
         say(f"the bench process (client, sfa's proxy) on core {core}")
     try:
-        with pinned(core):
+        with pinned(core), GcPauses() as pauses:
+            if cfg.freeze_gc:
+                freeze_heap()
             for name, system in systems.items():
                 if not warm_reqs:
                     continue
@@ -419,10 +448,13 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                             raise BenchError(f"--timeout {cfg.timeout_s:g}s passed")
                         if name in skipped:
                             continue
+                        if cfg.freeze_gc:
+                            freeze_heap()  # the last turns' results too
                         try:
                             with turn_of(systems[name], cfg.pause):
                                 turn = run_turn(systems[name], part, scenario, rnd,
-                                                concurrency=conc, rate=rate, seed=cfg.seed)
+                                                concurrency=conc, rate=rate, seed=cfg.seed,
+                                                pauses=pauses)
                         except (OSError, launch.EngineError) as exc:
                             if name not in PEERS:
                                 raise
@@ -543,9 +575,16 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
         "drained": all(f["drained"] for _t, f in per_turn),
         "recomputed_tokens": sum(f["recomputed_tokens"] for _t, f in per_turn),
         "ratios_at": at,
+        "bench_gc": {"frozen": cfg.freeze_gc,
+                     **{k: sum(f["bench_gc"].get(k, 0) for _t, f in per_turn)
+                        for k in ("collections", "full")},
+                     "max_ms": max((f["bench_gc"].get("max_ms", 0.0) for _t, f in per_turn),
+                                   default=0.0)},
         "stalls": [{"scenario": r["scenario"], "system": r["system"], "round": i,
                     "ttft_max_ms": r["ttft_max_ms_by_round"][i],
-                    "ttft_p50_ms_by_round": r["ttft_p50_ms_by_round"]}
+                    "ttft_p50_ms_by_round": r["ttft_p50_ms_by_round"],
+                    "slowest": r["slowest_by_round"][i],
+                    "bench_gc_max_ms": r["bench_gc_max_ms_by_round"][i]}
                    for r in rows for i in r["stalled_rounds"]],
     }
 
@@ -637,7 +676,11 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(", ".join(f"{k}={rep[k]}" for k in keys))
     for st in rep.get("stalls", []):
         lines.append(f"stall: {st['system']} {st['scenario']} round {st['round']}: TTFT max "
-                     f"{st['ttft_max_ms']} ms, p50 by round {st['ttft_p50_ms_by_round']}")
+                     f"{st['ttft_max_ms']} ms, p50 by round {st['ttft_p50_ms_by_round']}; "
+                     f"this process's longest GC pause then {st.get('bench_gc_max_ms')} ms; "
+                     f"the request: {json.dumps(st.get('slowest'))}")
+    if rep.get("bench_gc"):
+        lines.append(f"this process's collector pauses in the turns: {json.dumps(rep['bench_gc'])}")
     if rep.get("sfa_ttft_breakdown"):
         lines.append(f"sfa TTFT breakdown: {json.dumps(rep['sfa_ttft_breakdown'])}")
     ok = rep["equal"] and not rep["leaked_blocks"] and rep["drained"] and not rep["jobs_left"]
@@ -686,6 +729,10 @@ def add_vllm_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="pin this process (the client, sfa's proxy) for the turns to a core "
                         "no answering engine has (a free one, else Prefill's), so Decode's "
                         "token cadence is measured without the client beside it")
+    p.add_argument("--no-gc-freeze", dest="freeze_gc", action="store_false",
+                   help="leave this process's heap to the collector as it is (its full "
+                        "collections then walk every import mid-turn): only to measure what "
+                        "the freeze changes")
     p.add_argument("--timeout", type=float, default=3600.0, help="overall seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="DIR",
@@ -726,7 +773,8 @@ def _config(args: argparse.Namespace) -> BenchConfig | str:
                        args.cancel, args.chunk_tokens, args.timeout, warmup,
                        getattr(args, "pause", True), trace_dir=getattr(args, "trace_dir", None),
                        pin_bench=getattr(args, "pin_bench", False),
-                       model=getattr(args, "model", "tiny"))
+                       model=getattr(args, "model", "tiny"),
+                       freeze_gc=getattr(args, "freeze_gc", True))
 
 
 def cmd_vllm_bench(args: argparse.Namespace) -> int:
