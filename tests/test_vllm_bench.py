@@ -166,6 +166,9 @@ def test_a_round_far_above_the_others_is_a_stall() -> None:
     assert serving.stalled_rounds([160.0, 90.0, 95.0], [40.0, 30.0, 35.0]) == []
     assert serving.stalled_rounds([1700.0], [40.0]) == []  # nothing to compare with
     assert serving.stalled_rounds([None, 90.0], [None, 30.0]) == []
+    # 5x a small p50 is no stall unless it is long enough to notice
+    assert serving.stalled_rounds([42.6, 30.8, 40.0], [15.6, 8.0, 8.2]) == []
+    assert serving.stalled_rounds([120.0, 30.8, 40.0], [15.6, 8.0, 8.2]) == [0]
 
 
 def test_a_stall_names_its_request_and_where_the_proxy_saw_its_time_go() -> None:

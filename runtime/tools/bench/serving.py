@@ -272,15 +272,20 @@ def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 STALL_FACTOR = 5.0
+# ... and longer than this: at concurrency 1, 5x a single engine's 8 ms p50 is one busy
+# scheduler tick on this machine, not a stall a client notices.
+STALL_MIN_MS = 100.0
 
 
 def stalled_rounds(maxes: Sequence[float | None], p50s: Sequence[float | None]) -> list[int]:
     """The rounds holding a request whose TTFT exceeds ``STALL_FACTOR`` times the median
-    of the other rounds' TTFT p50: a burst that stalled where the same load did not."""
+    of the other rounds' TTFT p50, and ``STALL_MIN_MS``: a burst that stalled where the
+    same load did not."""
     out = []
     for i, top in enumerate(maxes):
         others = [p for j, p in enumerate(p50s) if j != i and p is not None]
-        if top is not None and others and top > STALL_FACTOR * statistics.median(others):
+        if top is not None and others and \
+                top > max(STALL_FACTOR * statistics.median(others), STALL_MIN_MS):
             out.append(i)
     return out
 
