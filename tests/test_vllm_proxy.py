@@ -97,6 +97,21 @@ def test_single_prompt_flows_decode_first(backends, proxy):
     assert jobs[-1]["prefill_status"] == 200  # what Prefill answered, for a stuck request
 
 
+def test_the_serving_threads_cpu_time_is_counted(backends):
+    proxy = DisaggProxy([backends.prefill.url], [backends.decode.url])
+    assert proxy.cpu_seconds() == 0.0  # not serving yet
+    proxy.start()
+    try:
+        before = proxy.cpu_seconds()
+        for _ in range(5):
+            r = complete(proxy, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3})
+            assert r.status_code == 200, r.text
+        assert proxy.cpu_seconds() > before
+    finally:
+        proxy.close()
+    assert proxy.cpu_seconds() == 0.0  # its thread is gone
+
+
 def test_a_record_written_after_the_client_has_its_answer_can_be_awaited(backends, proxy):
     # Decode answers once the KV landed; Prefill's own answer trails it, and the job's
     # record is written only when both are in.
@@ -197,7 +212,8 @@ def test_streaming_prefill_error_ends_the_stream_with_an_error_event(backends, p
     assert backends.decode_cancelled.wait(5.0)
 
 
-@pytest.mark.parametrize("when", ["before the body began", "while it stopped reading"])
+@pytest.mark.parametrize("when", ["before the body began", "while it stopped reading",
+                                  "between two tokens"])
 def test_a_client_gone_ends_its_job_and_aborts_decode_at_once(backends, proxy, when):
     # Driven as an ASGI call on the proxy's own loop, so the disconnect lands in the same
     # place every time. "before the body began": after Decode's headers reached the proxy,
@@ -205,10 +221,15 @@ def test_a_client_gone_ends_its_job_and_aborts_decode_at_once(backends, proxy, w
     # took the first chunk and no more, so the body generator sat at a yield when the
     # response was cancelled, and its cleanup waited for the garbage collector (the job
     # outlived the client; the bench counted such jobs after its turns). Both must end the
-    # job now. uvicorn says ASGI spec 2.3: Starlette watches for the disconnect itself.
+    # job now. "between two tokens": the client took the first chunk and left while Decode
+    # had not sent the next one, so the relay's read is what Starlette cancels. uvicorn says
+    # ASGI spec 2.3: Starlette watches for the disconnect itself.
     early = when == "before the body began"
+    stuck = when == "while it stopped reading"
     if early:
         backends.decode_release.clear()  # Decode's stream stays open, no token yet
+    if when == "between two tokens":
+        backends.decode_rest.clear()  # its first token sent, the next one not yet
     raw = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 8,
                       "stream": True}).encode()
     port = int(proxy.url.rsplit(":", 1)[1])
@@ -242,8 +263,11 @@ def test_a_client_gone_ends_its_job_and_aborts_decode_at_once(backends, proxy, w
             sent.append(message)
             if message["type"] == "http.response.body" and message.get("body"):
                 got_chunk.set()
-                # A client that stopped reading: like uvicorn, the send waits for the
-                # socket to drain, which it does when the connection is lost.
+                if stuck:
+                    # A client that stopped reading: the send waits for the socket to
+                    # drain until Starlette cancels it on the disconnect (uvicorn releases
+                    # the wait when the connection is lost, and the cancel may come first).
+                    await never.wait()
                 await gone.wait()
 
         await proxy.app(scope, receive, send)
@@ -255,7 +279,7 @@ def test_a_client_gone_ends_its_job_and_aborts_decode_at_once(backends, proxy, w
     chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
     assert len(chunks) == (0 if early else 1)
     assert proxy.wait_idle(5.0) and proxy.jobs_in_flight == 0
-    if early:  # Decode's request, still waiting for its KV, was aborted
+    if not stuck:  # Decode's request, waiting for its KV or its next token, was aborted
         assert backends.decode_cancelled.wait(5.0)
     (job,) = proxy.records()
     assert job["outcome"] == "client gone"

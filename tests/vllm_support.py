@@ -92,6 +92,10 @@ class Backends:
     # Decode then answers only once the KV landed *and* this is set
     decode_release: threading.Event = field(
         default_factory=lambda: _set(threading.Event()))
+    # cleared by a test that needs a stream paused mid-way, as vLLM's is between two
+    # tokens: the fake Decode streams the first token, the rest once this is set
+    decode_rest: threading.Event = field(
+        default_factory=lambda: _set(threading.Event()))
     # cleared by a test whose Prefill must answer after Decode: the fake Prefill pushes the
     # KV at once but sends its own 1-token answer only once this is set
     prefill_answer: threading.Event = field(
@@ -112,6 +116,7 @@ class Backends:
 
     def close(self) -> None:
         self.decode_release.set()
+        self.decode_rest.set()
         with self.lock:  # release fake-Decode threads still waiting for KV
             for ev in self.kv.values():
                 ev.set()
@@ -162,10 +167,13 @@ class Backends:
                     if choices is None:
                         yield b'data: {"error": {"message": "no KV", "code": 500}}\n\n'
                     else:
-                        for c in choices:
-                            for tok in c["token_ids"]:
-                                chunk = {"choices": [{"index": c["index"], "token_ids": [tok]}]}
-                                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                        tokens = [(c["index"], tok) for c in choices for tok in c["token_ids"]]
+                        for k, (index, tok) in enumerate(tokens):
+                            if k == 1:
+                                await asyncio.to_thread(self.decode_rest.wait,
+                                                        self.decode_wait_s)
+                            chunk = {"choices": [{"index": index, "token_ids": [tok]}]}
+                            yield f"data: {json.dumps(chunk)}\n\n".encode()
                     yield b"data: [DONE]\n\n"
                     finished = True
                 finally:

@@ -210,6 +210,45 @@ class _Job:
                 "prefill_status": self.prefill_status}
 
 
+if hasattr(asyncio, "timeout_at"):  # Python 3.11+: a timer handle, the cheapest per token
+    _timeout_at = asyncio.timeout_at
+else:
+    @contextlib.asynccontextmanager
+    async def _timeout_at(when: float) -> AsyncIterator[None]:
+        """TimeoutError at ``when`` on the running loop's clock."""
+        with anyio.fail_after(max(0.0, when - asyncio.get_running_loop().time())):
+            yield
+
+
+class _BearerGate:
+    """Every path but the health probes needs the proxy's bearer token, when it has one
+    (orchestrators probe health without credentials). Plain ASGI rather than Starlette's
+    BaseHTTPMiddleware, which runs each request in a task of its own and passes every
+    streamed chunk through a memory stream: per request and per token, on the proxy's one
+    thread."""
+
+    def __init__(self, app: Any, token: Callable[[], str | None]) -> None:
+        self.app = app
+        self._token = token
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        token = self._token()
+        if scope["type"] != "http" or token is None or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, value = given.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
+                                                               token.encode()):
+            await self.app(scope, receive, send)
+            return
+        why = "the bearer token is wrong" if given else \
+            "this proxy requires a bearer token (Authorization: Bearer ...)"
+        response = JSONResponse(error_body(401, why, "AuthenticationError"), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 class _DecodeStream(StreamingResponse):
     """Decode's body relayed to the client, cleaned up as soon as the response is over,
     however it ended. A client that leaves cancels the response wherever it is: with the
@@ -329,6 +368,17 @@ class DisaggProxy:
         with self._recorded:
             return self._recorded.wait_for(lambda: not self._jobs, timeout)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds the serving thread has used so far (every request, relay and
+        rendezvous runs on it); 0.0 unless started with :meth:`start` and running."""
+        thread = self._thread
+        if thread is None or thread.ident is None or not thread.is_alive():
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:  # it ended just now
+            return 0.0
+
     @property
     def metaserver_url(self) -> str:
         """Where Decode's connector posts its rendezvous."""
@@ -431,20 +481,7 @@ class DisaggProxy:
 
         app = FastAPI(lifespan=lifespan, title="sfa-rd2h D-first proxy")
 
-        @app.middleware("http")
-        async def bearer(request: Request, call_next: Any) -> Response:
-            # Health probes stay open: orchestrators call them without credentials.
-            if self._token is None or request.url.path in _OPEN_PATHS:
-                return await call_next(request)
-            given = request.headers.get("authorization", "")
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() == "bearer" and hmac.compare_digest(
-                    value.strip().encode(), self._token.encode()):
-                return await call_next(request)
-            why = "the bearer token is wrong" if given else \
-                "this proxy requires a bearer token (Authorization: Bearer ...)"
-            return JSONResponse(error_body(401, why, "AuthenticationError"), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+        app.add_middleware(_BearerGate, token=lambda: self._token)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -667,40 +704,47 @@ class DisaggProxy:
         nxt: asyncio.Future[bytes] | None = None
         try:
             while True:
-                nxt = asyncio.ensure_future(chunks.__anext__())
-                waiters: set[asyncio.Future[Any]] = {nxt}
-                if not first:
-                    waiters.add(job.failure)
-                done, _ = await asyncio.wait(waiters,
-                                             timeout=max(0.0, job.deadline - loop.time()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if nxt in done:
-                    try:
-                        chunk = nxt.result()
-                    except StopAsyncIteration:
-                        break
-                    except httpx.HTTPError as exc:
-                        outcome = f"decode stream broke: {exc}"
-                        yield _sse_error(502, outcome, "BadGateway")
-                        break
-                    if not first and chunk.startswith(b'data: {"error"'):
-                        # vLLM's bare error event for a failed load: prefer the reported cause
-                        reported = await self._reported_cause(job, 500)
-                        if reported is not None:
-                            outcome = reported.message
-                            yield _sse_error(reported.status, reported.message,
-                                             reported.err_type)
-                            break
-                    first = True
-                    yield chunk
-                    continue
-                nxt.cancel()
-                await _settle(nxt)
-                failure = (job.failure.result() if job.failure.done()
-                           else _Failure(504, "request deadline passed", "GatewayTimeout"))
-                outcome = failure.message
-                yield _sse_error(failure.status, failure.message, failure.err_type)
-                break
+                failure: _Failure | None = None
+                try:
+                    if first:
+                        # The KV has landed and Decode's answer stands: only the deadline is
+                        # raced now, in place (a task and a wait per token cost the proxy's
+                        # thread more than relaying the token does).
+                        async with _timeout_at(job.deadline):
+                            chunk = await chunks.__anext__()
+                    else:
+                        nxt = asyncio.ensure_future(chunks.__anext__())
+                        done, _ = await asyncio.wait(
+                            {nxt, job.failure}, timeout=max(0.0, job.deadline - loop.time()),
+                            return_when=asyncio.FIRST_COMPLETED)
+                        if nxt in done:
+                            chunk = nxt.result()
+                        else:
+                            nxt.cancel()
+                            await _settle(nxt)
+                            if not job.failure.done():
+                                raise TimeoutError
+                            failure = job.failure.result()
+                except StopAsyncIteration:
+                    break
+                except httpx.HTTPError as exc:
+                    outcome = f"decode stream broke: {exc}"
+                    yield _sse_error(502, outcome, "BadGateway")
+                    break
+                except TimeoutError:
+                    failure = _Failure(504, "request deadline passed", "GatewayTimeout")
+                except asyncio.CancelledError:
+                    outcome = "client gone"  # Starlette cancelled the read: the client left
+                    raise
+                if failure is None and not first and chunk.startswith(b'data: {"error"'):
+                    # vLLM's bare error event for a failed load: prefer the reported cause
+                    failure = await self._reported_cause(job, 500)
+                if failure is not None:
+                    outcome = failure.message
+                    yield _sse_error(failure.status, failure.message, failure.err_type)
+                    break
+                first = True
+                yield chunk
         except GeneratorExit:
             # closed while suspended at a yield: the client left mid-stream
             outcome = "client gone"

@@ -99,6 +99,10 @@ class Turn:
     # counts added in this turn, by ENGINE_HISTOGRAMS key.
     engine_hist: dict[str, dict[float, float]] = field(default_factory=dict)
     gc: dict[str, Any] = field(default_factory=dict)  # this process's collections meanwhile
+    # CPU seconds of this process (the client, and sfa's proxy when it has one) and of the
+    # proxy's serving thread alone, over the load
+    bench_cpu_s: float = 0.0
+    proxy_cpu_s: float | None = None
 
 
 def drain(system: System, deadline: float) -> tuple[bool, int, list[str]]:
@@ -129,10 +133,14 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
     jobs0 = _proxy_jobs(system)
     if pauses is not None:
         pauses.take()
+    proxy_cpu0 = system.proxy.cpu_seconds() if system.proxy is not None else 0.0
+    bench_cpu0 = time.process_time()
     t0 = time.perf_counter()
     outcomes = asyncio.run(run_load(requests, system.submit, concurrency=concurrency,
                                     rate=rate, seed=seed + rnd))
     wall = time.perf_counter() - t0
+    bench_cpu = time.process_time() - bench_cpu0
+    proxy_cpu = system.proxy.cpu_seconds() - proxy_cpu0 if system.proxy is not None else None
     gc_pauses = pauses.take() if pauses is not None else {}
     drained, leaked, held = drain(system, time.monotonic() + drain_s)
     jobs = 0
@@ -149,7 +157,8 @@ def run_turn(system: System, requests: Sequence[Req], scenario: str, rnd: int, *
     new = _proxy_jobs(system)
     seen = {j["id"] for j in jobs0}
     return Turn(system.name, scenario, rnd, wall, cpu, outcomes, drained, leaked, jobs,
-                sources, held, [j for j in new if j["id"] not in seen], engine_hist, gc_pauses)
+                sources, held, [j for j in new if j["id"] not in seen], engine_hist, gc_pauses,
+                bench_cpu, proxy_cpu)
 
 
 def _proxy_jobs(system: System) -> list[dict[str, Any]]:
@@ -218,6 +227,12 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
         "output_tokens": out_tokens,
         "throughput_tok_s": round(out_tokens / turn.wall_s, 2) if turn.wall_s else None,
         "cpu_s_per_1k_tokens": round(turn.cpu_s / out_tokens * 1e3, 3) if out_tokens else None,
+        # What the client and sfa's proxy cost beside the engines (this process's threads)
+        "bench_cpu_s_per_1k_tokens": (round(turn.bench_cpu_s / out_tokens * 1e3, 3)
+                                      if out_tokens else None),
+        "proxy_cpu_s_per_1k_tokens": (round(turn.proxy_cpu_s / out_tokens * 1e3, 3)
+                                      if out_tokens and turn.proxy_cpu_s is not None
+                                      else None),
         "wall_s": round(turn.wall_s, 3), "cpu_s": round(turn.cpu_s, 3),
         "drained": turn.drained, "leaked_blocks": turn.leaked_blocks,
         "jobs_left": turn.jobs_left, "held": turn.errors,
@@ -244,7 +259,8 @@ def slowest_request(o: Outcome, reqs: dict[int, Req], jobs: Sequence[dict[str, A
 
 _MEDIAN_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms",
                 "throughput_tok_s", "cpu_s_per_1k_tokens", "itl_engine_p50_ms",
-                "itl_engine_p99_ms", "ttft_engine_p50_ms")
+                "itl_engine_p99_ms", "ttft_engine_p50_ms", "bench_cpu_s_per_1k_tokens",
+                "proxy_cpu_s_per_1k_tokens")
 
 
 def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
