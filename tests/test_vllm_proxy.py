@@ -345,6 +345,8 @@ def test_metaserver_contract(backends, proxy):
     # After a completion its ids are forgotten: a late post is 404, never a hang.
     r = complete(proxy, {"model": "m", "prompt": [9, 9], "max_tokens": 1})
     assert r.status_code == 200
+    # Forgotten once Prefill's answer is in too, which may trail the client's own answer.
+    assert proxy.wait_idle(10.0)
     ((rid, _),) = backends.posted
     late = Rendezvous(request_id=rid, remote_engine_id="d-engine", remote_host="127.0.0.1",
                       remote_port=20000, remote_tp_size=1)
