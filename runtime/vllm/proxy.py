@@ -221,25 +221,24 @@ else:
 
 
 class _BearerGate:
-    """Every path but the health probes needs the proxy's bearer token, when it has one
-    (orchestrators probe health without credentials). Plain ASGI rather than Starlette's
-    BaseHTTPMiddleware, which runs each request in a task of its own and passes every
-    streamed chunk through a memory stream: per request and per token, on the proxy's one
-    thread."""
+    """Every path but the health probes needs the proxy's bearer token (orchestrators probe
+    health without credentials); a proxy without a token has no gate. Plain ASGI rather
+    than Starlette's BaseHTTPMiddleware, which runs each request in a task of its own and
+    passes every streamed chunk through a memory stream: per request and per token, on the
+    proxy's one thread."""
 
-    def __init__(self, app: Any, token: Callable[[], str | None]) -> None:
+    def __init__(self, app: Any, token: str) -> None:
         self.app = app
-        self._token = token
+        self._token = token.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        token = self._token()
-        if scope["type"] != "http" or token is None or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, value = given.decode("latin-1").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
-                                                               token.encode()):
+                                                               self._token):
             await self.app(scope, receive, send)
             return
         why = "the bearer token is wrong" if given else \
@@ -481,7 +480,8 @@ class DisaggProxy:
 
         app = FastAPI(lifespan=lifespan, title="sfa-rd2h D-first proxy")
 
-        app.add_middleware(_BearerGate, token=lambda: self._token)
+        if self._token is not None:
+            app.add_middleware(_BearerGate, token=self._token)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

@@ -206,6 +206,11 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
                   for p in reqs[o.idx].prompts)
     recomputed = max(0.0, turn.sources.get("local_compute", 0.0) - allowed)
     slowest = max((o for o in done if o.ttft is not None), key=lambda o: o.ttft, default=None)
+
+    def per_1k_tokens(seconds: float | None) -> float | None:
+        return round(seconds / out_tokens * 1e3, 3) if out_tokens and seconds is not None \
+            else None
+
     return {
         "requests": len(turn.outcomes), "completed": len(done),
         "cancelled": sum(o.cancelled for o in turn.outcomes),
@@ -226,13 +231,10 @@ def turn_figures(turn: Turn, reqs: dict[int, Req], reference: dict[tuple[int, ..
         "e2e_p50_ms": _ms(statistics.median(e2e)) if e2e else None,
         "output_tokens": out_tokens,
         "throughput_tok_s": round(out_tokens / turn.wall_s, 2) if turn.wall_s else None,
-        "cpu_s_per_1k_tokens": round(turn.cpu_s / out_tokens * 1e3, 3) if out_tokens else None,
+        "cpu_s_per_1k_tokens": per_1k_tokens(turn.cpu_s),
         # What the client and sfa's proxy cost beside the engines (this process's threads)
-        "bench_cpu_s_per_1k_tokens": (round(turn.bench_cpu_s / out_tokens * 1e3, 3)
-                                      if out_tokens else None),
-        "proxy_cpu_s_per_1k_tokens": (round(turn.proxy_cpu_s / out_tokens * 1e3, 3)
-                                      if out_tokens and turn.proxy_cpu_s is not None
-                                      else None),
+        "bench_cpu_s_per_1k_tokens": per_1k_tokens(turn.bench_cpu_s),
+        "proxy_cpu_s_per_1k_tokens": per_1k_tokens(turn.proxy_cpu_s),
         "wall_s": round(turn.wall_s, 3), "cpu_s": round(turn.cpu_s, 3),
         "drained": turn.drained, "leaked_blocks": turn.leaked_blocks,
         "jobs_left": turn.jobs_left, "held": turn.errors,
@@ -276,10 +278,10 @@ def system_row(turns: list[dict[str, Any]]) -> dict[str, Any]:
     row["drained"] = all(t["drained"] for t in turns)
     row["ttft_max_ms_by_round"] = [t["ttft_max_ms"] for t in turns]
     row["ttft_p50_ms_by_round"] = [t["ttft_p50_ms"] for t in turns]
-    row["slowest_by_round"] = [t.get("slowest") for t in turns]
+    row["slowest_by_round"] = [t["slowest"] for t in turns]
     # The client and sfa's proxy share this process: its longest collector pause per round
     # is what a stall is first compared with.
-    row["bench_gc_max_ms_by_round"] = [t.get("bench_gc", {}).get("max_ms") for t in turns]
+    row["bench_gc_max_ms_by_round"] = [t["bench_gc"].get("max_ms") for t in turns]
     row["stalled_rounds"] = stalled_rounds(row["ttft_max_ms_by_round"],
                                            row["ttft_p50_ms_by_round"])
     row["mismatches"] = [m for t in turns for m in t["mismatches"]][:10]
