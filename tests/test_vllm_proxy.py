@@ -85,6 +85,8 @@ def test_single_prompt_flows_decode_first(backends, proxy):
     assert body["prompt"] == prompt
     # Same X-Request-Id, so vLLM names the request cmpl-<xrid>-0 on both sides.
     assert p_call["x_request_id"] == xrid
+    # Decode's body is relayed byte for byte: both answers are asked for uncompressed.
+    assert d_call["accept_encoding"] == p_call["accept_encoding"] == "identity"
     assert backends.posted == [(f"cmpl-{xrid}-0", 200)]
     params = body["kv_transfer_params"]  # what Decode posted, and where to report a failure
     assert params == {**Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",

@@ -135,7 +135,8 @@ class Backends:
             body = await request.json()
             xrid = request.headers["x-request-id"]
             self.decode_calls.append({"body": body, "x_request_id": xrid,
-                                      "authorization": request.headers.get("authorization")})
+                                      "authorization": request.headers.get("authorization"),
+                                      "accept_encoding": request.headers.get("accept-encoding")})
             self.decode_arrived.set()
             work = asyncio.ensure_future(self._decode(body, xrid))
             gone = asyncio.ensure_future(client_gone(request))
@@ -234,7 +235,9 @@ class Backends:
             with self.lock:
                 self.prefill_calls.append({"body": body, "at": time.monotonic(),
                                            "posts_started": self.posts_started,
-                                           "x_request_id": request.headers["x-request-id"]})
+                                           "x_request_id": request.headers["x-request-id"],
+                                           "accept_encoding":
+                                               request.headers.get("accept-encoding")})
             if self.prefill_mode == "error":
                 return JSONResponse({"error": {"message": "prefill exploded", "code": 500}},
                                     status_code=500)

@@ -79,10 +79,9 @@ START_TIMEOUT_S = 30.0  # start(): uvicorn accepting requests
 CLOSE_TIMEOUT_S = 10.0  # close(): one deadline for in-flight completions, uvicorn and its thread
 CONNECT_TIMEOUT_S = 5.0  # one TCP connect to a Prefill or Decode engine
 #: Every call to an engine goes on a connection of its own (``force_close``), closed when its
-#: answer ends. A
-#: call sent on a pooled connection that the engine's server (uvicorn) is closing that
-#: instant is reset, and neither completion call can be retried then: the engine may have
-#: taken the request, and a prompt must not run twice. Expiring pooled connections before
+#: answer ends. A call sent on a pooled connection that the engine's server (uvicorn) is
+#: closing that instant is reset, and neither completion call can be retried then: the engine
+#: may have taken the request, and a prompt must not run twice. Expiring pooled connections before
 #: uvicorn's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) narrows that window but a stall
 #: between the two clocks reopens it, and a reset on a healthy Prefill was still seen under
 #: load. One TCP handshake per call is the price; the client leaves one socket in TIME_WAIT
@@ -469,8 +468,8 @@ class DisaggProxy:
             # the cluster's own servers (same reason as runtime.metaserver's clients).
             # aiohttp, not httpx: a third of httpx's CPU per call on this thread, which
             # relays every stream and serves every rendezvous. Decode's body is relayed as
-            # it came (no decompression); each read may wait request_timeout_s, as the
-            # deadline is raced on its own.
+            # it came (asked for uncompressed, never decompressed); each read may wait
+            # request_timeout_s, as the deadline is raced on its own.
             self._client = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(force_close=True, limit=MAX_CONNECTIONS),
                 timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_S,
@@ -680,7 +679,7 @@ class DisaggProxy:
         read by the caller, who closes it)."""
         assert self._client is not None
         return await self._client.post(url, data=_json(body),
-                                       headers={**headers, **_JSON_TYPE})
+                                       headers={**headers, **_ENGINE_HEADERS})
 
     async def _end_stream(self, job: _Job, resp: aiohttp.ClientResponse,
                           outcome: str) -> None:
@@ -902,7 +901,8 @@ class DisaggProxy:
             job.times.setdefault("prefill_sent", loop.time())
             try:
                 async with self._client.post(
-                        url, data=_json(body), headers={"X-Request-Id": job.xrid, **_JSON_TYPE},
+                        url, data=_json(body),
+                        headers={"X-Request-Id": job.xrid, **_ENGINE_HEADERS},
                         timeout=aiohttp.ClientTimeout(total=remaining,
                                                       connect=CONNECT_TIMEOUT_S)) as resp:
                     status, answer = resp.status, await resp.read()
@@ -999,7 +999,8 @@ async def _settle(task: asyncio.Future[Any]) -> Any:
         return None
 
 
-_JSON_TYPE = {"Content-Type": "application/json"}
+# Every call to an engine sends JSON and takes its answer uncompressed, to relay it as is.
+_ENGINE_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
 
 
 def _json(body: Any) -> bytes:
