@@ -84,6 +84,7 @@ def test_arguments_become_the_config() -> None:
     assert isinstance(cfg, serving.BenchConfig)
     assert (cfg.model, cfg.trace_dir, cfg.pin_bench) == ("small", "/tmp/t", True)
     assert cfg.freeze_gc and not serving._config(_args(freeze_gc=False)).freeze_gc
+    assert cfg.proxy_process and not serving._config(_args(proxy_process=False)).proxy_process
 
 
 def test_model_sizes_are_the_launchers() -> None:
@@ -290,6 +291,32 @@ def test_pinning_the_bench_process_covers_every_thread_and_is_undone() -> None:
     assert os.sched_getaffinity(0) == before
 
 
+def test_pinning_covers_the_proxy_process_and_is_undone() -> None:
+    import subprocess
+    import sys
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    # a process with a second thread, as sfa's proxy has (uvicorn's loop beside main)
+    child = subprocess.Popen([sys.executable, "-c", "import threading, sys; "
+                              "threading.Thread(target=sys.stdin.read).start(); "
+                              "print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        tids = lambda: [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]  # noqa: E731
+        assert len(tids()) == 2
+        with serving_systems.pinned(core, [child.pid]):
+            assert {tid: os.sched_getaffinity(tid) for tid in tids()} == \
+                {tid: {core} for tid in tids()}
+        assert all(os.sched_getaffinity(tid) == before for tid in tids())
+    finally:
+        child.kill()
+        child.wait()
+    with serving_systems.pinned(core, [child.pid]):  # an ended process is skipped
+        assert os.sched_getaffinity(0) == {core}
+
+
 def test_example_engines_take_whole_prompts() -> None:
     from sfa_rd2h.runtime.vllm import launch
 
@@ -411,6 +438,7 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
     assert report["binding"]["single"] == report["binding"]["sfa"][-1:]
     assert report["bench_core"] is not None  # --pin-bench, with the engines pinned
     assert report["bench_core"] == serving_systems.bench_core(report["binding"])
+    assert report["sfa_proxy_process"]  # as deployed: not a thread of the client's process
     for name, warm in report["warmup"].items():
         assert warm["failed"] == 0 and warm["drained"], (name, warm)
     assert report["warmup"]["sfa"]["breakdown"]["jobs"] == 16  # the first burst's phases

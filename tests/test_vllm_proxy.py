@@ -131,6 +131,37 @@ def test_a_record_written_after_the_client_has_its_answer_can_be_awaited(backend
     assert httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json() == [job]
 
 
+def test_the_proxy_command_answers_as_its_thread_does(backends, tmp_path):
+    """``python -m sfa_rd2h.runtime.vllm.proxy`` as vllm-bench runs it (``ProxyProcess``):
+    completions, the records written once Prefill's trailing answer is in, waiting for
+    idle over ``/v1/proxy/in-flight``, the process's CPU, and a close that ends it."""
+    from sfa_rd2h.runtime.vllm.launch import ProxyProcess
+
+    proc = ProxyProcess([backends.prefill.url], [backends.decode.url],
+                        tmp_path / "proxy.log", request_timeout_s=20.0)
+    assert proc.cpu_seconds() == 0.0  # not started
+    proc.start(timeout=30.0)
+    try:
+        backends.prefill_answer.clear()
+        r = complete(proc, {"model": "m", "prompt": [4, 5, 6], "max_tokens": 3,
+                            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == fake_tokens([4, 5, 6], 3)
+        assert proc.records() == [] and proc.jobs_in_flight == 1
+        (held,) = proc.in_flight()
+        assert held["dispatched"] and held["prefill_pending"] == 1, held
+        assert not proc.wait_idle(0.05)
+        backends.prefill_answer.set()
+        assert proc.wait_idle(10.0) and proc.jobs_in_flight == 0
+        (job,) = proc.records()
+        assert job["outcome"] == "ok" and job["prefill_status"] == 200
+        assert proc.cpu_seconds() > 0.0
+    finally:
+        proc.close()
+    assert proc.proc is not None and proc.proc.poll() is not None
+    assert proc.cpu_seconds() == 0.0  # gone
+
+
 def test_prompt_list_reaches_prefill_once_after_every_rendezvous(backends, proxy):
     # C3: the posts are staggered; Prefill must see nothing before the last one.
     backends.rendezvous_gap_s = 0.2

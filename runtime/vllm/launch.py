@@ -529,6 +529,108 @@ def cpu_binds(n: int) -> list[str]:
 
 
 @dataclass
+class ProxyProcess:
+    """The D-first proxy as a deployment runs it: ``python -m sfa_rd2h.runtime.vllm.proxy``,
+    a process of its own, not sharing a caller's interpreter (vllm-bench's client would
+    otherwise pass it the interpreter lock on every relayed chunk). Answers what a caller
+    asks the in-process ``DisaggProxy``, over the proxy's HTTP endpoints."""
+
+    prefill: list[str]
+    decode: list[str]
+    log_path: Path
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free one
+    request_timeout_s: float = 120.0
+    rendezvous_timeout_s: float = 60.0
+    proc: subprocess.Popen[bytes] | None = None
+    _log: TextIO | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def metaserver_url(self) -> str:
+        return f"{self.url}/v1/metaserver"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start the command and wait until it answers ``/health``; its URL. Raises
+        :class:`EngineError` with the log's tail if it exits or does not answer in time."""
+        if not self.port:
+            self.port = free_ports(1, self.host)[0]
+        cmd = [sys.executable, "-m", "sfa_rd2h.runtime.vllm.proxy", "--host", self.host,
+               "--port", str(self.port), "--prefill", *self.prefill, "--decode", *self.decode,
+               "--request-timeout", str(self.request_timeout_s),
+               "--rendezvous-timeout", str(self.rendezvous_timeout_s)]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineError(f"proxy exited with {code}; log {self.log_path}:\n"
+                                  f"{self.log_path.read_text(errors='replace')[-2000:]}")
+            with contextlib.suppress(urllib.error.URLError, OSError):
+                get_json(f"{self.url}/health", timeout=2.0)
+                return self.url
+            if time.monotonic() >= deadline:
+                self.close()
+                raise EngineError(f"proxy not answering after {timeout:.0f}s; log "
+                                  f"{self.log_path}")
+            time.sleep(0.05)  # polling an external process: nothing to await
+
+    def records(self) -> list[dict[str, Any]]:
+        """The finished completions' records (``/v1/proxy/jobs``)."""
+        return list(get_json(f"{self.url}/v1/proxy/jobs"))
+
+    def in_flight(self, wait: float = 0.0) -> list[dict[str, Any]]:
+        """The completions still tracked, once there are none or ``wait`` seconds passed."""
+        return list(get_json(f"{self.url}/v1/proxy/in-flight?wait={wait}",
+                             timeout=wait + 10.0))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the proxy tracks no completion (every record written) or ``timeout``
+        seconds pass; True if it is idle."""
+        return not self.in_flight(timeout)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self.in_flight())
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the proxy process has used so far, all its threads (0.0 once gone)."""
+        if self.proc is None:
+            return 0.0
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def close(self, timeout: float = 10.0) -> None:
+        """SIGTERM (uvicorn fails what is in flight and stops), SIGKILL past ``timeout``.
+        Safe to call twice."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+@dataclass
 class Deployment:
     """A Prefill and a Decode engine running this connector over the host transfer engine,
     the D-first proxy in front, and (optionally) the single-engine reference started
@@ -551,8 +653,11 @@ class Deployment:
     # engines. A caller running other engines beside it passes binds over all of them.
     binds: list[str] | None = None
     whole_engines: bool = False  # each engine's every process on its binds' cores only
+    # The proxies as processes of their own (ProxyProcess), as deployed; else threads of
+    # this process (DisaggProxy), which tests can reach into.
+    proxy_process: bool = False
     servers: dict[str, EngineServer] = field(default_factory=dict)  # prefill, decode, ...
-    proxies: dict[str, Any] = field(default_factory=dict)  # Decode name -> DisaggProxy
+    proxies: dict[str, Any] = field(default_factory=dict)  # Decode name -> its proxy
     reference: ReferenceRun | None = None
     startup_s: float | None = None
 
@@ -604,9 +709,12 @@ class Deployment:
             for server in self.servers.values():
                 server.wait_healthy(deadline)
             for name in decodes:
-                proxy = DisaggProxy([self.prefill.url], [self.servers[name].url],
-                                    host=self.host, request_timeout_s=self.request_timeout_s,
-                                    rendezvous_timeout_s=self.rendezvous_timeout_s)
+                kw = {"host": self.host, "request_timeout_s": self.request_timeout_s,
+                      "rendezvous_timeout_s": self.rendezvous_timeout_s}
+                proxy = ProxyProcess([self.prefill.url], [self.servers[name].url],
+                                     logs / f"proxy-{name}.log", **kw) \
+                    if self.proxy_process else \
+                    DisaggProxy([self.prefill.url], [self.servers[name].url], **kw)
                 self.proxies[name] = proxy
                 proxy.start(timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:

@@ -89,6 +89,7 @@ CONNECT_TIMEOUT_S = 5.0  # one TCP connect to a Prefill or Decode engine
 #: second (about 470 with Linux's defaults), far above what one engine serves.
 MAX_CONNECTIONS = 4096
 MODELS_TIMEOUT_S = 10.0  # the /v1/models lookup forwarded to Decode
+MAX_IDLE_WAIT_S = 600.0  # the longest wait /v1/proxy/in-flight accepts
 GRACEFUL_SHUTDOWN_S = 5  # uvicorn's own graceful-shutdown bound (close() lowers it to fit)
 REAP_SLACK_S = 1.0  # a job nobody iterates is reaped this long after its deadline
 #: How long a Decode error waits for the connector's own report of its cause: vLLM answers
@@ -327,6 +328,7 @@ class DisaggProxy:
         self._recorded = threading.Condition()
         self._records_written = 0
         self._client: aiohttp.ClientSession | None = None
+        self._idle: asyncio.Event | None = None  # set while no completion is tracked
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: socket.socket | None = None
@@ -464,6 +466,8 @@ class DisaggProxy:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             self._loop = asyncio.get_running_loop()
+            self._idle = asyncio.Event()
+            self._idle.set()
             # trust_env=False: an http_proxy from the environment must not divert calls to
             # the cluster's own servers (same reason as runtime.metaserver's clients).
             # aiohttp, not httpx: a third of httpx's CPU per call on this thread, which
@@ -538,6 +542,15 @@ class DisaggProxy:
         async def jobs() -> list[dict[str, Any]]:
             return self.records()
 
+        @app.get("/v1/proxy/in-flight")
+        async def in_flight(wait: float = 0.0) -> list[dict[str, Any]]:
+            # What a caller in another process (vllm-bench) asks after a load: the
+            # completions still tracked, once there are none or ``wait`` seconds passed.
+            assert self._idle is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), min(max(wait, 0.0), MAX_IDLE_WAIT_S))
+            return self.in_flight()
+
         return app
 
     # ------------------------------------------------------------------ completions
@@ -580,6 +593,8 @@ class DisaggProxy:
             failure=loop.create_future(),
             rendezvous=[None] * len(prompts), parsed=[None] * len(prompts))
         self._jobs[job.xrid] = job
+        if self._idle is not None:
+            self._idle.clear()
         for i, sub in enumerate(job.sub_ids):
             self._subs[sub] = (job, i)
         job.timer = loop.call_later(self.rendezvous_timeout_s, self._rendezvous_expired, job)
@@ -814,6 +829,8 @@ class DisaggProxy:
             self._recent.append(job.record())
             self._records_written += 1
             self._recorded.notify_all()
+        if not self._jobs and self._idle is not None:
+            self._idle.set()
 
     # ------------------------------------------------------------------ metaserver
 

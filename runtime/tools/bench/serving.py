@@ -361,6 +361,9 @@ class BenchConfig:
     # again before every turn, outside the timing: else a full collection walks it mid-turn
     # and holds the client and sfa's proxy for 0.4-0.9 s (the README's stalls).
     freeze_gc: bool = True
+    # sfa's proxy a process of its own, as deployed; False: a thread of this process, where
+    # every relayed chunk also passes the interpreter lock to and from the client.
+    proxy_process: bool = True
 
 
 WARMUP_IDX = 10**6  # warm-up requests are numbered from here (never measured)
@@ -427,7 +430,8 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     say(f"starting {', '.join(cfg.systems)} (logs: {work}/logs)")
     systems, skipped = start_systems(cfg.systems, opts, work / "logs",
                                      min(deadline, time.monotonic() + 600), say, cfg.pause,
-                                     cfg.bind_all, trace_dir=cfg.trace_dir)
+                                     cfg.bind_all, trace_dir=cfg.trace_dir,
+                                     proxy_process=cfg.proxy_process)
     startup_s = time.monotonic() - t0
     turns: list[Turn] = []
     warmups: dict[str, Any] = {}
@@ -438,9 +442,11 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
     # on Prefill's, where NIXL's busy engines starved it for seconds (README).
     core = bench_core(binds) if cfg.pin_bench and cfg.pause and not cfg.bind_all else None
     if core is not None:
-        say(f"the bench process (client, sfa's proxy) on core {core}")
+        say(f"the bench process (client) and sfa's proxy on core {core}")
+    # sfa's proxy as a process of its own (ProxyProcess has a pid, DisaggProxy none)
+    proxy_pids = [p for s in systems.values() if (p := getattr(s.proxy, "pid", None)) is not None]
     try:
-        with pinned(core), GcPauses() as pauses:
+        with pinned(core, proxy_pids), GcPauses() as pauses:
             if cfg.freeze_gc:
                 freeze_heap()
             for name, system in systems.items():
@@ -525,6 +531,7 @@ def run_bench(cfg: BenchConfig, work: Path, say: Callable[[str], None] = lambda 
                        time.monotonic() - t0, shape.block_size)
     rep["binding"] = binds
     rep["bench_core"] = core
+    rep["sfa_proxy_process"] = bool(proxy_pids)
     rep["whole_engines_pinned"] = whole
     rep["paused_outside_turns"] = cfg.pause
     rep["warmup"] = warmups
@@ -749,13 +756,17 @@ def add_vllm_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(all unpinned when they outnumber the cores) instead of stopping "
                         "them: only to measure what that costs")
     p.add_argument("--pin-bench", action="store_true",
-                   help="pin this process (the client, sfa's proxy) for the turns to a core "
-                        "no answering engine has (a free one, else Prefill's), so Decode's "
-                        "token cadence is measured without the client beside it")
+                   help="pin this process (the client) and sfa's proxy for the turns to a "
+                        "core no answering engine has (a free one, else Prefill's), so "
+                        "Decode's token cadence is measured without the client beside it")
     p.add_argument("--no-gc-freeze", dest="freeze_gc", action="store_false",
                    help="leave this process's heap to the collector as it is (its full "
                         "collections then walk every import mid-turn): only to measure what "
                         "the freeze changes")
+    p.add_argument("--proxy-in-process", dest="proxy_process", action="store_false",
+                   help="run sfa's proxy as a thread of this process, sharing the client's "
+                        "interpreter lock, instead of its own command: only to measure what "
+                        "that costs")
     p.add_argument("--timeout", type=float, default=3600.0, help="overall seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", default=None, metavar="DIR",
@@ -797,7 +808,8 @@ def _config(args: argparse.Namespace) -> BenchConfig | str:
                        getattr(args, "pause", True), trace_dir=getattr(args, "trace_dir", None),
                        pin_bench=getattr(args, "pin_bench", False),
                        model=getattr(args, "model", "tiny"),
-                       freeze_gc=getattr(args, "freeze_gc", True))
+                       freeze_gc=getattr(args, "freeze_gc", True),
+                       proxy_process=getattr(args, "proxy_process", True))
 
 
 def cmd_vllm_bench(args: argparse.Namespace) -> int:

@@ -266,34 +266,39 @@ def bench_core(binds: dict[str, list[str]]) -> int | None:
 
 
 @contextlib.contextmanager
-def pinned(core: int | None) -> Iterator[None]:
-    """Every thread of this process (and every one started meanwhile, which inherits it)
-    on ``core`` while inside; the affinity each had is back afterwards, so the engines and
-    tests this process starts later are not confined to it."""
+def pinned(core: int | None, pids: Sequence[int] = ()) -> Iterator[None]:
+    """Every thread of this process and of ``pids`` (sfa's proxy), and every one started
+    meanwhile, which inherits it, on ``core`` while inside; the affinity each had is back
+    afterwards, so the engines and tests this process starts later are not confined to it."""
     if core is None:
         yield
         return
     mine = os.sched_getaffinity(0)
     before: dict[int, set[int]] = {}
-    for tid in _threads():
+    owners = ["self", *map(str, pids)]
+    for tid in _threads(owners):
         with contextlib.suppress(ProcessLookupError):
             before[tid] = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, {core})
     try:
         yield
     finally:
-        for tid in _threads():  # a thread started inside gets what its starter had
+        for tid in _threads(owners):  # a thread started inside gets what its starter had
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(tid, before.get(tid, mine))
 
 
-def _threads() -> list[int]:
-    return [int(t) for t in os.listdir("/proc/self/task")]
+def _threads(owners: Sequence[str] = ("self",)) -> list[int]:
+    tids = []
+    for owner in owners:
+        with contextlib.suppress(FileNotFoundError):  # a process that has ended
+            tids += [int(t) for t in os.listdir(f"/proc/{owner}/task")]
+    return tids
 
 
 def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
                   say: Callable[[str], None], pause: bool = True, bind_all: bool = False,
-                  trace_dir: str | None = None
+                  trace_dir: str | None = None, proxy_process: bool = True
                   ) -> tuple[dict[str, System], dict[str, str]]:
     """Start every engine of every system (``system_binds``) and wait until all are
     healthy; with ``pause``, each system is stopped (SIGSTOP) as soon as it is healthy and
@@ -348,9 +353,12 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
                                        whole_engine=whole)
         if "sfa" in names:
             traced = {"trace_dir": str(trace_dir)} if trace_dir else {}
+            # The proxy runs as deployed, a process of its own: in this one it would share
+            # the client's interpreter lock (README, "What the proxy's thread costs").
             dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
                                     binds=list(binds["sfa"]), prefill_extra=traced,
-                                    decode_extra=traced, whole_engines=whole)
+                                    decode_extra=traced, whole_engines=whole,
+                                    proxy_process=proxy_process)
             systems["sfa"] = System("sfa", {}, deployment=dep, binds=binds["sfa"],
                                     whole_engine=whole)
             dep.start(deadline)
