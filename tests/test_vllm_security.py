@@ -61,9 +61,10 @@ def test_without_the_token_nothing_gets_in_and_nothing_changes(guarded):
             assert r.status_code == 401, (url, r.text)
             assert words in r.json()["error"]["message"] and TOKEN not in r.text
             assert r.headers["www-authenticate"] == "Bearer"
-        r = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False,
-                      headers={} if token is None else {"Authorization": f"Bearer {token}"})
-        assert r.status_code == 401
+        for path in ("/v1/proxy/jobs", "/v1/proxy/in-flight"):
+            r = httpx.get(f"{proxy.url}{path}", trust_env=False,
+                          headers={} if token is None else {"Authorization": f"Bearer {token}"})
+            assert r.status_code == 401, path
     assert b.decode_calls == [] and b.prefill_calls == [] and proxy.jobs_in_flight == 0
     assert post_rendezvous(proxy.metaserver_url, Rendezvous.from_json(rdv), token="") == 401
     for probe in ("/health", "/healthcheck"):  # orchestrators probe without credentials
