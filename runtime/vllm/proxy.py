@@ -275,7 +275,7 @@ class DisaggProxy:
     """The proxy/metaserver as an ASGI app served by uvicorn.
 
     ``start()`` serves on a background thread (for tests and ``sfa-rd2h vllm-demo``) and
-    returns the base URL; ``serve()`` runs in the caller's event loop (the command line).
+    returns the base URL; ``serve()`` serves on the calling thread (the command line).
     ``close(timeout)`` fails every in-flight completion with 503, stops uvicorn and joins the
     thread, all within one deadline.
     """
@@ -387,7 +387,12 @@ class DisaggProxy:
 
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, and TCP_NODELAY set (every accepted connection inherits it):
+        # asyncio's own loop sets TCP_NODELAY only on a socket whose proto says TCP, and
+        # without it each relayed token waited for the client's delayed ACK, ~40 ms a
+        # completion (uvloop sets it on every connection; ``python -m`` ran asyncio's loop).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port))
         sock.listen(512)
@@ -418,11 +423,12 @@ class DisaggProxy:
             raise TimeoutError(f"proxy did not start within {timeout}s")
         return self.url
 
-    async def serve(self) -> None:
-        """Serve in the running event loop until interrupted (uvicorn handles signals)."""
+    def serve(self) -> None:
+        """Serve on this thread until interrupted (uvicorn handles signals), in the event
+        loop uvicorn picks, as :meth:`start` does (uvloop where installed)."""
         sock = self._bind()
         log.warning("proxy serving on %s (metaserver %s)", self.url, self.metaserver_url)
-        await self._uvicorn().serve(sockets=[sock])
+        self._uvicorn().run(sockets=[sock])
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop serving within ``timeout`` seconds in all: in-flight completions get 503, the
@@ -1098,7 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # as vLLM's servers do: a full collection holds every stream in flight while it walks.
     gc.collect()
     gc.freeze()
-    asyncio.run(proxy.serve())
+    proxy.serve()
     return 0
 
 
