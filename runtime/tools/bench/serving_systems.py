@@ -354,7 +354,7 @@ def start_systems(names: Sequence[str], opts: Any, logs: Path, deadline: float,
         if "sfa" in names:
             traced = {"trace_dir": str(trace_dir)} if trace_dir else {}
             # The proxy runs as deployed, a process of its own: in this one it would share
-            # the client's interpreter lock (README, "What the proxy's thread costs").
+            # the client's interpreter lock (README, "The proxy as deployed").
             dep = launch.Deployment(work_dir=logs / "sfa", opts=opts, request_timeout_s=120.0,
                                     binds=list(binds["sfa"]), prefill_extra=traced,
                                     decode_extra=traced, whole_engines=whole,
