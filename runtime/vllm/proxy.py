@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0  # start(): uvicorn accepting requests
 CLOSE_TIMEOUT_S = 10.0  # close(): one deadline for in-flight completions, uvicorn and its thread
-CONNECT_TIMEOUT_S = 5.0  # one TCP connect to a Prefill or Decode engine
+CONNECT_TIMEOUT_S = 5.0  # one TCP connect to a Decode engine (a Prefill call: its deadline)
 #: Every call to an engine goes on a connection of its own (``force_close``), closed when its
 #: answer ends. A call sent on a pooled connection that the engine's server (uvicorn) is
 #: closing that instant is reset, and neither completion call can be retried then: the engine
@@ -923,11 +923,13 @@ class DisaggProxy:
             job.prefill_status = f"attempt {attempt + 1} sent"
             job.times.setdefault("prefill_sent", loop.time())
             try:
+                # Bounded by the deadline only, the connect included: a connect that rides
+                # out a short link cut (its SYN resent after 1 s, 3 s, 7 s) must not fail a
+                # completion Prefill can still serve.
                 async with self._client.post(
                         url, data=_json(body),
                         headers={"X-Request-Id": job.xrid, **_ENGINE_HEADERS},
-                        timeout=aiohttp.ClientTimeout(total=remaining,
-                                                      connect=CONNECT_TIMEOUT_S)) as resp:
+                        timeout=aiohttp.ClientTimeout(total=remaining)) as resp:
                     status, answer = resp.status, await resp.read()
             except aiohttp.ClientConnectorError as exc:
                 job.prefill_status = _describe(exc)
