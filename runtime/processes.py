@@ -42,3 +42,13 @@ def wait_gone(pids: Iterable[int], deadline: float) -> bool:
     """Wait until every one of ``pids`` has exited or ``deadline`` passes; True if all did."""
     with pidfds(pids) as fds:
         return wait_exit(fds.values(), deadline)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used, all its threads (0.0 once gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sfa_rd2h.runtime.ports import free_ports
+from sfa_rd2h.runtime.processes import cpu_seconds as process_cpu_seconds
 from sfa_rd2h.runtime.processes import wait_gone
 
 CONNECTOR = "SfaRemoteD2HConnector"
@@ -606,14 +607,7 @@ class ProxyProcess:
 
     def cpu_seconds(self) -> float:
         """CPU seconds the proxy process has used so far, all its threads (0.0 once gone)."""
-        if self.proc is None:
-            return 0.0
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return 0.0 if self.proc is None else process_cpu_seconds(self.proc.pid)
 
     def close(self, timeout: float = 10.0) -> None:
         """SIGTERM (uvicorn fails what is in flight and stops), SIGKILL past ``timeout``.

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sfa_rd2h.runtime.ports import free_ports
+from sfa_rd2h.runtime.processes import cpu_seconds
 from sfa_rd2h.runtime.tools.bench.serving_load import Req, send, send_pd
 
 SYSTEMS = ("single", "sfa", "example", "nixl")
@@ -126,13 +127,7 @@ def num_blocks(url: str) -> int:
 
 def group_cpu_seconds(server: Any) -> float:
     """User + system CPU seconds of every live process of an engine's process group."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid, _comm in server.processes():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    return sum(cpu_seconds(pid) for pid, _comm in server.processes())
 
 
 @dataclass
