@@ -98,6 +98,7 @@ def scopes(draw: st.DrawFn) -> Scope:
         d_instances=draw(st.integers(1, 2)),
         max_faults=draw(st.integers(0, 3)),
         fault_kinds=fault_kinds,
+        early_dispatch=draw(st.booleans()),  # drawn last: earlier draws pick as before
     )
 
 
@@ -185,6 +186,8 @@ def describe_scope(s: Scope) -> str:
         extra.append("Prefill sends zero-block entries")
     if s.layout_mismatch_layer is not None:
         extra.append(f"Decode layout of layer {s.layout_mismatch_layer} differs")
+    if s.early_dispatch:
+        extra.append("Prefill dispatched before the rendezvous, told no cached tokens")
     return (f"p_tp={s.p_tp} d_tp={s.d_tp}, {s.n_layers} layers on {s.n_slots} slot(s), "
             f"indexer={'yes' if s.indexer else 'no'}{'+scale' if s.scale else ''}, "
             f"requests [{reqs}], up to {s.max_faults} faults"

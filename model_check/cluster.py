@@ -57,7 +57,9 @@ Op = tuple
 class RequestSpec:
     tokens: int  # prompt length; the last block may be partial
     chunks: tuple[int, ...]  # computed tokens after each chunk; the last equals ``tokens``
-    cached_tokens: int | None = 0  # None: the parameter is missing (known failure 7)
+    # Decode's own local prefix hit; Prefill is told it too (None: the parameter is missing,
+    # known failure 7), but 0 when it is dispatched early (C3, C5)
+    cached_tokens: int | None = 0
     group: int = -1  # requests of one prompt list share a group (C3); -1 = alone
 
     @property
@@ -84,6 +86,9 @@ class Scope:
     # kind repeated far sooner than spreading the fault budget over all of them.
     fault_kinds: frozenset[str] = frozenset(FAULT_KINDS)
     max_faults: int = 3  # fault operations allowed in one run; 0 = lossless and on time
+    # The proxy dispatches every request to Prefill before its rendezvous, with no cached
+    # tokens: Decode must keep its own prefix hit itself (C3, C5)
+    early_dispatch: bool = False
 
     def tensor_bytes(self) -> tuple[int, ...]:
         sizes = [MAIN_BYTES, MAIN_BYTES]
@@ -358,11 +363,18 @@ class Cluster:
                   "remote_tp_size": self.scope.d_tp,
                   "remote_engine_id": "decode-0", "do_remote_decode": True}
         if r.cached_tokens is not None:
-            params["remote_cached_tokens"] = r.cached_tokens
+            params["remote_cached_tokens"] = 0 if self.scope.early_dispatch else r.cached_tokens
         return params
 
+    def _own_blocks(self, i: int) -> int:
+        """Decode's own prefix hit of request ``i``, in blocks (C5)."""
+        return (self.scope.requests[i].cached_tokens or 0) // BLOCK_TOKENS
+
     def _dispatched(self, i: int) -> bool:
-        """C3: Prefill gets a request once every prompt of its list has its rendezvous."""
+        """C3: Prefill gets a request once every prompt of its list has its rendezvous, or
+        at once when dispatched early."""
+        if self.scope.early_dispatch:
+            return True
         group = self.scope.requests[i].group
         if group < 0:
             return i in self.rendezvous
@@ -501,8 +513,10 @@ class Cluster:
         base = self.p_tensor_base[layer % self.scope.n_slots]
         for i, tokens, _final in self.schedule[step]:
             spec = self.scope.requests[i]
-            # Blocks completed before this chunk (or cached on Decode) are not rewritten.
-            done = spec.chunks[step - 1] if step else (spec.cached_tokens or 0)
+            # Blocks completed before this chunk (or cached on Decode, as far as Prefill was
+            # told) are not rewritten.
+            told = 0 if self.scope.early_dispatch else (spec.cached_tokens or 0)
+            done = spec.chunks[step - 1] if step else told
             lo, hi = done // BLOCK_TOKENS, -(-tokens // BLOCK_TOKENS)
             for pos in range(lo, hi):
                 for t, nbytes in enumerate(self.tbytes):
@@ -663,6 +677,7 @@ class Cluster:
         main_written = 0
         for lo, ln in zip(local.tolist(), n.tolist(), strict=True):
             owners, is_main = self._owners(lo + D_BASE, ln, d)
+            inv.check_c5_own_prefix_untouched(owners, f"D{d} read {req.read_id}")
             inv.check_r5_no_write_after_terminal(owners, f"D{d} read {req.read_id}")
             main_written += len(owners) if is_main else 0
         if origin is not None:
@@ -701,9 +716,13 @@ class Cluster:
     # Decode scheduler ----------------------------------------------------
     def _mark_blocks(self, i: int, owner: str) -> None:
         inst = self.instance_of(i)
+        # While the request lives, its first positions are Decode's own prefix (C5).
+        own = self._own_blocks(i) if not owner.startswith("!") else 0
         self.block_owner[inst][self.d_main_ids[i]] = owner
+        self.block_owner[inst][self.d_main_ids[i][:own]] = "=" + owner
         for g, ids in self.d_idx_ids[i].items():
             self.idx_owner[g][ids] = owner
+            self.idx_owner[g][ids[:own]] = "=" + owner
 
     def _op_rendezvous(self, i: int) -> str:
         self.rendezvous.add(i)
@@ -713,8 +732,10 @@ class Cluster:
 
     def _op_register(self, g: int, i: int) -> str:
         self.registered[g].add(i)
+        own = self._own_blocks(i)
         actions = self.decode[g].register_request(
-            self.ext[i], self.d_main_ids[i], self.d_idx_ids[i][g], self.now)
+            self.ext[i], self.d_main_ids[i], self.d_idx_ids[i][g], self.now, own_main=own,
+            own_indexer=own)
         self._emit_decode(g, actions)
         return f"D{g} worker registers destinations of {self.ext[i]}"
 
@@ -740,7 +761,7 @@ class Cluster:
     def _check_bytes(self, i: int) -> None:
         """Every byte of every layer of a successful request equals the Prefill bytes."""
         r = self.scope.requests[i]
-        first = (r.cached_tokens or 0) // BLOCK_TOKENS
+        first = self._own_blocks(i)
         inst = self.instance_of(i)
         for layer in range(self.scope.n_layers):
             for t, nbytes in enumerate(self.tbytes):
@@ -985,6 +1006,7 @@ def scope_to_json(scope: Scope) -> dict:
         "legacy_rank": scope.legacy_rank, "empty_entries": scope.empty_entries,
         "d_instances": scope.d_instances,
         "max_faults": scope.max_faults, "fault_kinds": sorted(scope.fault_kinds),
+        "early_dispatch": scope.early_dispatch,
     }
 
 

@@ -28,7 +28,12 @@ DEFAULT_SCOPE = Scope(p_tp=2, d_tp=1, n_layers=2, n_slots=1, indexer=True,
 WIDE_SCOPE = Scope(p_tp=2, d_tp=1, n_layers=2, n_slots=1, indexer=True,
                    requests=(RequestSpec(6, (6,)), RequestSpec(3, (3,))), d_instances=2,
                    max_faults=0)
-SCOPES = {"pinned": DEFAULT_SCOPE, "wide": WIDE_SCOPE}
+#: Early dispatch (C3, C5): Prefill gets both requests before their rendezvous and is told
+#: no cached tokens, while Decode holds the first block of one of them itself.
+EARLY_SCOPE = Scope(p_tp=2, d_tp=1, n_layers=2, n_slots=1, indexer=True,
+                    requests=(RequestSpec(6, (6,), 4), RequestSpec(3, (3,))), max_faults=0,
+                    early_dispatch=True)
+SCOPES = {"pinned": DEFAULT_SCOPE, "wide": WIDE_SCOPE, "early": EARLY_SCOPE}
 
 
 @dataclass

@@ -129,6 +129,14 @@ def check_main_written_once(writes: int, who: str, block: str) -> None:
         _fail("T5", f"{who}: main destination {block} written {writes} times in one layer")
 
 
+@judges("C5")
+def check_c5_own_prefix_untouched(owners: Iterable[str | None], who: str) -> None:
+    """C5: no byte lands in a block of Decode's own local prefix hit."""
+    own = sorted({o[1:] for o in owners if o is not None and o.startswith("=")})
+    if own:
+        _fail("C5", f"{who} writes into the local prefix blocks of {', '.join(own)}")
+
+
 @judges("R5")
 def check_r5_no_write_after_terminal(owners: Iterable[str | None], who: str) -> None:
     """R5: no byte lands in blocks of a request that is terminal (or never registered)."""

@@ -233,6 +233,14 @@ class LateReadAccepted(DecodeCore):
         self.read_budget = float("inf")
 
 
+class WritesOwnPrefix(DecodeCore):
+    """C5: Decode reads every position a READY names, its own local prefix hit included,
+    so an early-dispatched Prefill's blocks overwrite what Decode computed itself."""
+
+    def _own_prefix(self, req: DecodeRequest) -> tuple[int, int]:
+        return 0, 0
+
+
 # ---------------------------------------------------------------- catalog
 @dataclass(frozen=True)
 class SeededBug:
@@ -288,6 +296,8 @@ BUGS: tuple[SeededBug, ...] = (
               prefill=FinalAfterLostLayer, scope_hint="slow reader or restart"),
     SeededBug("empty_entry_fails_layer", ("T6",), EmptyEntryFailsLayer.__doc__,
               decode=EmptyEntryFailsLayer, scope_hint="zero-block entries"),
+    SeededBug("writes_own_prefix", ("C5", "C3"), WritesOwnPrefix.__doc__,
+              decode=WritesOwnPrefix, scope_hint="early dispatch, cached tokens"),
 )
 
 BY_NAME = {b.name: b for b in BUGS}

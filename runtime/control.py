@@ -867,12 +867,15 @@ class DecodeWorker(_Worker):
             fn(action)
 
     def register_request(self, ext_req_id: str, main_dest: Sequence[int],
-                         indexer_dest: Sequence[int]) -> None:
-        """The scheduler allocated this request's destinations (C1)."""
+                         indexer_dest: Sequence[int], *, own_main: int = 0,
+                         own_indexer: int = 0) -> None:
+        """The scheduler allocated this request's destinations (C1); the first ``own_main``
+        / ``own_indexer`` of them hold Decode's own prefix and are never written (C5)."""
         with self._cond:
             self._check_alive()
             actions = self.core.register_request(ext_req_id, main_dest, indexer_dest,
-                                                 self._clock())
+                                                 self._clock(), own_main=own_main,
+                                                 own_indexer=own_indexer)
         self._dispatch(actions)
         self._wake.ring()  # the reader thread must take the request's deadline into account
 

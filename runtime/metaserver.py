@@ -164,6 +164,10 @@ class Rendezvous:
     remote_cached_tokens: int = 0
     do_remote_prefill: bool = False
     do_remote_decode: bool = True
+    # C5: this Decode never writes its own local prefix hit, whatever blocks Prefill names,
+    # so a proxy may dispatch to Prefill before this rendezvous arrives (C3). A rendezvous
+    # carries it only when true, so one without it reads as before.
+    keeps_local_prefix: bool = False
 
     def __post_init__(self) -> None:
         # Constructing one in code goes through the same checks as one read off the wire,
@@ -182,7 +186,7 @@ class Rendezvous:
             "remote_pcp_size": self.remote_pcp_size,
             "remote_dcp_size": self.remote_dcp_size,
             "remote_cached_tokens": self.remote_cached_tokens,
-        }
+        } | ({"keeps_local_prefix": True} if self.keeps_local_prefix else {})
 
     @classmethod
     def from_json(cls, obj: object) -> Rendezvous:
@@ -215,6 +219,10 @@ class Rendezvous:
         cached = _int_field(obj, "remote_cached_tokens", 0, 0, 2**63 - 1)
         prefill = _flag(obj, "do_remote_prefill", False, "C1: Decode clears it")
         decode = _flag(obj, "do_remote_decode", True, "Prefill must push to Decode")
+        keeps = obj.get("keeps_local_prefix", False)
+        if not isinstance(keeps, bool):
+            raise RendezvousError("keeps_local_prefix",
+                                  f"expected a boolean, got {type(keeps).__name__}")
         inst = object.__new__(cls)
         for name, value in (
             ("request_id", request_id),
@@ -227,6 +235,7 @@ class Rendezvous:
             ("remote_cached_tokens", cached),
             ("do_remote_prefill", prefill),
             ("do_remote_decode", decode),
+            ("keeps_local_prefix", keeps),
         ):
             object.__setattr__(inst, name, value)
         return inst

@@ -103,10 +103,17 @@ RULES: tuple[Rule, ...] = (
              "READY."),
     _r("C2", "Prefill tracks source blocks, endpoint and chunk progress per request; each "
              "chunk covers its newly completed blocks, the last one its partial block."),
-    _r("C3", "A prompt list expands to sub-requests on Decode; the proxy collects every "
-             "rendezvous and dispatches the list to Prefill once."),
+    _r("C3", "A prompt list expands to sub-requests on Decode; the proxy dispatches the "
+             "list to Prefill once: after every rendezvous came, or early, beside Decode, "
+             "with the endpoint an earlier rendezvous of that Decode named and no cached "
+             "tokens, only to a Decode that keeps its local prefix (C5); a rendezvous that "
+             "then names another endpoint fails the completion."),
     _r("C4", "Prefill sends READY only after the layer's scatter landed (device event); "
              "Decode validates, plans one batched read for all ready requests, and replies."),
+    _r("C5", "Decode never writes the positions of its own local prefix hit: what a READY "
+             "names below them (Prefill did not know the hit: an early dispatch, or one "
+             "cached-token count for a whole prompt list) is dropped from every rank's "
+             "share, and the rest is read as usual (T6)."),
     # Faults
     _r("F1", "Metaserver transport errors are retried; an HTTP error response counts as "
              "delivered."),

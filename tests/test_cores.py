@@ -599,18 +599,24 @@ def test_an_unacknowledged_handshake_gives_up_in_seconds():  # S5, W1 (hung Deco
 
 def _reference_layer(entries: list[tuple], dests: list[tuple[list[int], list[int]]],
                      member: int, ratio: int, d_rank: int, d_tp: int,
-                     shared: bool) -> tuple[list[int], list[int], list[int]] | str:
-    """What one layer of ``entries`` reads, entry by entry with the single-entry cut, or
-    the first L1 refusal in the order the core names it (T2, T3, T5, T6, L1)."""
+                     shared: bool, owns: list[tuple[int, int]] | None = None,
+                     ) -> tuple[list[int], list[int], list[int]] | str:
+    """What one layer of ``entries`` reads, entry by entry with the single-entry cut less
+    the positions below each request's own prefix (C5), or the first L1 refusal in the
+    order the core names it (T2, T3, T5, T6, L1)."""
     from sfa_rd2h.spec.errors import LayoutError
     from sfa_rd2h.spec.layout import plan_layer_reads
     from sfa_rd2h.spec.topology import decode_cut
 
     pairs: list[list[int]] = [[], [], [], []]
-    for (_, main, idx, m_start, i_start), (m_dest, i_dest) in zip(entries, dests, strict=True):
+    owns = owns or [(0, 0)] * len(entries)
+    for (_, main, idx, m_start, i_start), (m_dest, i_dest), (own_m, own_i) in zip(
+            entries, dests, owns, strict=True):
         cut = decode_cut(len(main), len(idx), m_start, i_start, member, ratio, d_rank, d_tp,
                          main_shared=shared)
         (m_lo, m_hi), (i_lo, i_hi) = cut.main, cut.indexer
+        m_lo = min(max(m_lo, own_m - m_start), m_hi)
+        i_lo = min(max(i_lo, own_i - i_start), i_hi)
         checks = [("main", m_start, m_start + len(main), len(m_dest))] if member == 0 else []
         checks.append(("main", m_start + m_lo, m_start + m_hi, len(m_dest)))
         if idx:
@@ -651,8 +657,9 @@ def test_a_layer_reads_what_its_entries_cut_one_by_one_would_read(  # T2, T3, T5
         data: st.DataObject, ratio: int, d_tp: int, shared: bool) -> None:
     """The whole layer is cut, range-checked and planned in one pass (main and indexer
     joined): the same plan, or the same first L1 refusal, as cutting and checking each
-    entry alone and planning their pieces; and the next layer of the same requests, which
-    reuses the joined and proved destinations, reads the same again."""
+    entry alone, dropping what lies below the request's own prefix (C5), and planning
+    their pieces; and the next layer of the same requests, which reuses the joined and
+    proved destinations, reads the same again."""
     member, d_rank = data.draw(st.integers(0, ratio - 1)), data.draw(st.integers(0, d_tp - 1))
     pool = data.draw(st.sampled_from([8, 64]))  # a small pool makes requests share blocks
     ids = st.lists(st.integers(0, 63), max_size=4)
@@ -662,16 +669,51 @@ def test_a_layer_reads_what_its_entries_cut_one_by_one_would_read(  # T2, T3, T5
                         data.draw(st.integers(0, 5))))
         dests.append(tuple(data.draw(st.lists(st.integers(0, pool - 1), max_size=6,
                                               unique=True)) for _ in range(2)))
+    owns = [(data.draw(st.integers(0, len(m))), data.draw(st.integers(0, len(i))))
+            if data.draw(st.booleans()) else (0, 0) for m, i in dests]
     d = DecodeCore(d_rank, d_tp, {"l0": DEST, "l1": DEST}, main_dest_shared=shared)
-    for (ext, *_), (m_dest, i_dest) in zip(entries, dests, strict=True):
-        d.register_request(ext, m_dest, i_dest, 0.0)
+    for (ext, *_), (m_dest, i_dest), (own_m, own_i) in zip(entries, dests, owns, strict=True):
+        d.register_request(ext, m_dest, i_dest, 0.0, own_main=own_m, own_indexer=own_i)
     d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
-    want = _reference_layer(entries, dests, member, ratio, d_rank, d_tp, shared)
+    want = _reference_layer(entries, dests, member, ratio, d_rank, d_tp, shared, owns)
     first, _ = _served(d, 0, tuple(entries), member, ratio)
     assert first == want
     if not isinstance(want, str):  # a refused layer fails its requests: no second layer
         second, _ = _served(d, 1, tuple(entries), member, ratio)
         assert second == want
+
+
+def test_decode_never_writes_its_own_prefix_whatever_a_ready_names():  # C5, T6, T5, T3
+    """Prefill dispatched before the rendezvous names the request from position 0; Decode
+    computed the first block itself. Every Decode rank drops that block from its own
+    piece, so the pieces still tile exactly the rest, and an entry wholly inside the
+    prefix is a no-op that is still answered."""
+    main_ids, idx_ids = (40, 41, 42, 43), (50, 51, 52, 53)
+    main_dest, idx_dest = [10, 11, 12, 13], [20, 21, 22, 23]
+    read_main, read_idx = [], []
+    for d_rank in (0, 1):
+        for member in (0, 1):
+            d = DecodeCore(d_rank, 2, {"l0": DEST, "l1": DEST})
+            d.register_request("r1", main_dest, idx_dest, 0.0, own_main=1, own_indexer=1)
+            d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+            [read] = d.on_frame("p", ready(reqs=(("r1", main_ids, idx_ids, 0, 0),),
+                                           member=member, ratio=2), 0.0)
+            read_main += _read_positions(read, 0x900000, MAIN)
+            if d_rank == 0:  # every Decode rank assembles the whole indexer (T3)
+                read_idx += _read_positions(read, 0x920000, IDX)
+    assert sorted(read_main) == [11, 12, 13] and sorted(read_idx) == [21, 22, 23]
+    d = decode()
+    d.register_request("r1", main_dest, idx_dest, 0.0, own_main=2, own_indexer=2)
+    d.on_frame("p", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    assert sends(d.on_frame("p", ready(reqs=(("r1", (40, 41), (50, 51), 0, 0),)), 0.0)) == [
+        wire.encode(wire.ReadDone(0))]
+    [read] = d.on_frame("p", ready(1, reqs=(("r1", main_ids, idx_ids, 0, 0),)), 0.0)
+    assert _read_positions(read, 0x900000, MAIN) == [12, 13]
+    for own in (-1, 5, 1.5):
+        with pytest.raises(ProtocolError, match=f"C5: own_main={own!r} of request 'r2'"):
+            d.register_request("r2", [1, 2, 3, 4], [5], 0.0, own_main=own)
+    with pytest.raises(ProtocolError, match="C5: own_indexer=2 .* its 1 registered blocks"):
+        d.register_request("r2", [1, 2], [5], 0.0, own_indexer=2)
 
 
 def test_a_proof_of_distinct_destinations_holds_for_those_requests_only():  # L1

@@ -109,6 +109,17 @@ def test_rendezvous_roundtrip_and_wire_keys() -> None:
     assert Rendezvous.from_json(json.loads(json.dumps(obj))) == rdv
 
 
+def test_a_decode_that_keeps_its_prefix_says_so_and_only_then() -> None:  # C5, C3
+    """The flag travels only when true, so a rendezvous without it reads as before (an
+    upstream Decode's) and one with it round-trips."""
+    keeps = _rdv("req-1", keeps_local_prefix=True)
+    assert keeps.to_json() == _rdv("req-1").to_json() | {"keeps_local_prefix": True}
+    assert Rendezvous.from_json(json.loads(json.dumps(keeps.to_json()))) == keeps
+    assert _rdv("req-1").keeps_local_prefix is False
+    with pytest.raises(RendezvousError, match="'keeps_local_prefix'"):
+        Rendezvous.from_json(_rdv("req-1").to_json() | {"keeps_local_prefix": "yes"})
+
+
 @pytest.mark.parametrize("value", ["absent", None])
 def test_missing_remote_cached_tokens_defaults_to_zero(value: object) -> None:
     # Known failure 7: never a KeyError on a missing remote_cached_tokens.

@@ -11,7 +11,7 @@ import pytest
 from sfa_rd2h.model_check import mutants
 from sfa_rd2h.model_check.checker import run_check
 from sfa_rd2h.model_check.cluster import Cluster, RequestSpec, Scope, scope_from_json
-from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, explore
+from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, EARLY_SCOPE, explore
 from sfa_rd2h.model_check.invariants import InvariantViolation
 from sfa_rd2h.runtime.tools.cli import main
 from sfa_rd2h.spec.errors import TopologyError
@@ -73,6 +73,19 @@ def test_explorer_finds_a_seeded_bug():
     with pytest.raises(InvariantViolation, match="S3"):
         explore(DEFAULT_SCOPE,
                 cluster_factory=lambda s: Cluster(s, decode_cls=mutants.SilentEmptyLayer))
+
+
+def test_early_dispatch_explored_whole_and_a_decode_writing_its_prefix_caught():  # C3, C5
+    """Prefill sent both requests before their rendezvous and told no cached tokens, while
+    Decode holds the first block of one itself: every interleaving keeps that block
+    untouched and ends in one outcome (the count is pinned); a Decode that reads every
+    position it is sent breaks C5."""
+    result = explore(EARLY_SCOPE)
+    assert result.complete and result.final_states == 1
+    assert result.states == 641
+    with pytest.raises(InvariantViolation, match="C5"):
+        explore(EARLY_SCOPE,
+                cluster_factory=lambda s: Cluster(s, decode_cls=mutants.WritesOwnPrefix))
 
 
 def test_checker_passes_on_the_correct_cores():

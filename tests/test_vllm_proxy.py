@@ -200,6 +200,96 @@ def test_prompt_list_reaches_prefill_once_after_every_rendezvous(backends, proxy
             for i in range(3)] == [64, 32, 96]
 
 
+def _in_thread(proxy: DisaggProxy, body: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=complete(proxy, body)))
+    t.start()
+    return t, result
+
+
+def test_prefill_is_dispatched_beside_decode_once_decode_keeps_its_prefix(backends, proxy):
+    """C3, C5: the first completion goes Decode first; its rendezvous names the endpoint
+    and says Decode keeps its own prefix, so the next completion reaches Prefill while
+    Decode's rendezvous is still held, with that endpoint and no cached tokens."""
+    backends.keeps_local_prefix = True
+    backends.cached_tokens = (16,)
+    r = complete(proxy, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    (first,) = backends.prefill_calls
+    assert first["posts_started"] == 1
+    assert first["body"]["kv_transfer_params"]["remote_cached_tokens"] == 16
+    backends.rendezvous_gate.clear()
+    backends.prefill_arrived.clear()
+    prompt = [4, 5, 6, 7]
+    t, result = _in_thread(proxy, {"model": "m", "prompt": prompt, "max_tokens": 3})
+    assert backends.prefill_arrived.wait(10)
+    second = backends.prefill_calls[1]
+    assert second["posts_started"] == 1  # Decode has not posted this one yet
+    xrid = second["x_request_id"]
+    assert second["body"]["kv_transfer_params"] == {
+        "request_id": f"cmpl-{xrid}-0", "do_remote_prefill": False, "do_remote_decode": True,
+        "remote_engine_id": "d-engine", "remote_host": "127.0.0.1", "remote_port": 20000,
+        "remote_tp_size": 1, "remote_pcp_size": 1, "remote_dcp_size": 1,
+        "remote_cached_tokens": 0, "metaserver": proxy.metaserver_url}
+    backends.rendezvous_gate.set()
+    t.join(15)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["choices"][0]["token_ids"] == fake_tokens(prompt, 3)
+    assert backends.posted[-1] == (f"cmpl-{xrid}-0", 200)
+    records = proxy.records(2, timeout=10.0)
+    assert [rec["early"] for rec in records] == [False, True]
+    assert records[1]["rendezvous_ms"] is not None
+
+
+def test_an_early_dispatch_to_a_changed_decode_fails_that_completion_only(backends, proxy):
+    """C3: Prefill was sent the endpoint learned before; a rendezvous naming another (a
+    Decode restarted elsewhere) or no longer keeping its prefix (C5) fails the completion
+    with both named, and is what the next completion is dispatched by."""
+    backends.keeps_local_prefix = True
+    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    backends.decode_port = 20001
+    backends.decode_release.clear()  # the failure must not race Decode's own answer
+    t, result = _in_thread(proxy, {"model": "m", "prompt": [3, 4], "max_tokens": 1})
+    assert backends.decode_cancelled.wait(10)  # the proxy closed Decode's request
+    backends.decode_release.set()
+    t.join(15)
+    r = result["r"]
+    assert r.status_code == 502, r.text
+    assert "'remote_port': 20001" in r.text and "'remote_port': 20000" in r.text
+    # the next one goes early to the endpoint now named
+    assert complete(proxy, {"model": "m", "prompt": [5], "max_tokens": 1}).status_code == 200
+    assert backends.prefill_calls[-1]["body"]["kv_transfer_params"]["remote_port"] == 20001
+    # a Decode that stops saying it keeps its prefix fails the completion dispatched early,
+    # and is sent Prefill only after its rendezvous from then on
+    backends.keeps_local_prefix = False
+    backends.decode_cancelled.clear()
+    backends.decode_release.clear()
+    t, result = _in_thread(proxy, {"model": "m", "prompt": [6], "max_tokens": 1})
+    assert backends.decode_cancelled.wait(10)
+    backends.decode_release.set()
+    t.join(15)
+    assert result["r"].status_code == 502 and "C5: False" in result["r"].text
+    calls = len(backends.prefill_calls)
+    assert complete(proxy, {"model": "m", "prompt": [7], "max_tokens": 1}).status_code == 200
+    assert len(backends.prefill_calls) == calls + 1
+    assert backends.prefill_calls[-1]["posts_started"] == backends.posts_started
+    assert [rec["early"] for rec in proxy.records(5, timeout=10.0)] == [
+        False, True, True, True, False]
+
+
+def test_without_early_dispatch_prefill_waits_for_every_rendezvous(backends):
+    backends.keeps_local_prefix = True
+    proxy = make_proxy(backends, early_dispatch=False)
+    try:
+        for n in (1, 2):
+            r = complete(proxy, {"model": "m", "prompt": [n, 9], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            assert backends.prefill_calls[-1]["posts_started"] == n
+        assert [rec["early"] for rec in proxy.records(2, timeout=10.0)] == [False, False]
+    finally:
+        proxy.close()
+
+
 def test_internal_ids_with_the_engine_suffix_are_accepted(backends, proxy):
     backends.post_internal_ids = True
     r = complete(proxy, {"model": "m", "prompt": [[1, 2], [3, 4]], "max_tokens": 2})

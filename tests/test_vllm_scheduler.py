@@ -962,11 +962,14 @@ def test_stats_aggregate_and_reduce():
     assert merged.is_empty() and Rd2hStats().is_empty()
 
 
-def test_decode_prefix_hit_is_not_sent_again(pair, metaserver):
+@pytest.mark.parametrize("early", [False, True], ids=["after-rendezvous", "early"])
+def test_decode_prefix_hit_is_never_written(pair, metaserver, early):
     # Decode computed a 40-token prompt locally before; a remote request sharing its first
-    # 32 tokens finds them in Decode's prefix cache, advertises remote_cached_tokens=32, and
-    # Prefill (chunks of 16) sends only the last block: Decode's shared prefix blocks are
-    # never written by the transfer (C1, C2).
+    # 32 tokens finds them in Decode's prefix cache and advertises remote_cached_tokens=32
+    # and keeps_local_prefix. Told the count, Prefill (chunks of 16) names only the last
+    # block (C1, C2); dispatched early, before the rendezvous, with 0 (C3), it names every
+    # block and Decode reads only the one it lacks (C5). Either way Decode's shared prefix
+    # blocks hold what Decode computed, byte for byte.
     p, d = pair(p={"max_batched": 16})
     local = make_request("cmpl-local-0-llllllll", 40, None, max_tokens=1)
     d.sched.add_request(local)
@@ -976,12 +979,15 @@ def test_decode_prefix_hit_is_not_sent_again(pair, metaserver):
     d.step()
     d_blocks = d.block_ids(rid_d)
     rdv = rendezvous_for(metaserver, "cmpl-hit-0", 1)
-    assert rdv["remote_cached_tokens"] == 32
+    assert rdv["remote_cached_tokens"] == 32 and rdv["keeps_local_prefix"] is True
     prefix = {name: d.kv[name][d_blocks[:2]].clone() for name in LAYERS}
-    p.sched.add_request(prefill_request(rid_p, 44, rdv))
+    told = {**rdv, "remote_cached_tokens": 0} if early else rdv
+    p.sched.add_request(prefill_request(rid_p, 44, told))
     metas = [p.step().kv_connector_metadata for _ in range(3)]
+    # without the count, the first chunk names blocks Decode has; with it, nothing
+    first_chunk = [(16, False)] if early else []
     assert [[(c.computed_tokens, c.final) for c in m.chunks] for m in metas] == \
-        [[], [(32, False)], [(44, True)]]  # the first chunk had nothing Decode lacks
+        [first_chunk, [(32, False)], [(44, True)]]
     finish_decode(d, rid_d)
     check_kv(p, d, rid_p, d_blocks, first=2)
     for name in LAYERS:

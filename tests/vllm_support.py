@@ -79,6 +79,8 @@ class Backends:
     rendezvous_gap_s: float = 0.0  # between a prompt list's posts (staggered allocation)
     post_internal_ids: bool = False  # post vLLM's internal ids (with the -<8 hex> suffix)
     cached_tokens: tuple[int, ...] = ()  # remote_cached_tokens per prompt (default 0)
+    keeps_local_prefix: bool = False  # what the rendezvous says (C5): early dispatch
+    decode_port: int = 20000  # the base port the rendezvous names
     decode_wait_s: float = 10.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     kv: dict[str, threading.Event] = field(default_factory=dict)
@@ -88,6 +90,11 @@ class Backends:
     posts_started: int = 0
     decode_cancelled: threading.Event = field(default_factory=threading.Event)
     decode_arrived: threading.Event = field(default_factory=threading.Event)
+    prefill_arrived: threading.Event = field(default_factory=threading.Event)
+    # cleared by a test that must see Prefill called before Decode's rendezvous: the fake
+    # Decode posts only once this is set
+    rendezvous_gate: threading.Event = field(
+        default_factory=lambda: _set(threading.Event()))
     # cleared by a test that must act while the request is still open on Decode: the fake
     # Decode then answers only once the KV landed *and* this is set
     decode_release: threading.Event = field(
@@ -200,12 +207,14 @@ class Backends:
             for i, rid in enumerate(ids):
                 if i and self.rendezvous_gap_s:
                     await asyncio.sleep(self.rendezvous_gap_s)
+                await asyncio.to_thread(self.rendezvous_gate.wait, self.decode_wait_s)
                 with self.lock:
                     self.posts_started += 1
                 cached = self.cached_tokens[i] if self.cached_tokens else 0
                 rdv = Rendezvous(request_id=rid, remote_engine_id="d-engine",
-                                 remote_host="127.0.0.1", remote_port=20000,
-                                 remote_tp_size=1, remote_cached_tokens=cached)
+                                 remote_host="127.0.0.1", remote_port=self.decode_port,
+                                 remote_tp_size=1, remote_cached_tokens=cached,
+                                 keeps_local_prefix=self.keeps_local_prefix)
                 status = await asyncio.to_thread(post_rendezvous, params["metaserver"], rdv)
                 self.posted.append((rid, status))
         if self.decode_mode == "read_failed":
@@ -238,6 +247,7 @@ class Backends:
                                            "x_request_id": request.headers["x-request-id"],
                                            "accept_encoding":
                                                request.headers.get("accept-encoding")})
+            self.prefill_arrived.set()
             if self.prefill_mode == "error":
                 return JSONResponse({"error": {"message": "prefill exploded", "code": 500}},
                                     status_code=500)

@@ -479,9 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explore", help="exhaustively explore the pinned small scope")
     p.add_argument("--max-states", type=_positive_int, default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--scope", choices=["pinned", "wide"], default="pinned",
+    p.add_argument("--scope", choices=["pinned", "wide", "early"], default="pinned",
                    help="pinned: the CI scope with a pinned count; wide: two Decode "
-                        "instances sharing Prefill slots (nightly, about a minute)")
+                        "instances sharing Prefill slots (nightly, about a minute); early: "
+                        "Prefill dispatched before the rendezvous, Decode holding a prefix "
+                        "block itself (C3, C5)")
     p.set_defaults(func=cmd_explore)
 
     return parser

@@ -31,8 +31,9 @@ class RecvRequest:
     ext_id: str
     main_block_ids: list[int]  # every block of the request, by position
     indexer_block_ids: list[int]
-    first_block: int  # positions before it were a local prefix hit, never written
+    first_block: int  # positions before it were a local prefix hit, never written (C5)
     metaserver: str = ""  # where a failure to receive it is reported (C1's URL)
+    first_indexer_block: int = 0  # first_block in the indexer group's blocks
 
 
 @dataclass

@@ -13,6 +13,16 @@ connectors derive the same external ids), ``max_tokens=1``, and ``kv_transfer_pa
 by :func:`prefill_params` from the rendezvous. Prefill pushes the KV layer by layer; Decode's
 response is streamed back to the client.
 
+Early dispatch (``early_dispatch=True``, the default; ``--no-early-dispatch`` turns it off):
+a Decode instance's endpoint does not change between requests, and a Decode whose
+rendezvous says ``keeps_local_prefix`` never writes its own prefix hit whatever Prefill
+sends (C5). Once such a rendezvous came from an instance, the proxy sends each later
+completion to Prefill at the same time as to that Decode, with the endpoint it learned and
+``remote_cached_tokens: 0``, so Decode's admission no longer runs before Prefill's. The
+rendezvous still comes, and must name the same endpoint and still keep its prefix: one
+that does not (a Decode restarted elsewhere, or replaced by a build without C5) fails that
+completion, and the next is dispatched by what it named.
+
 Failures reach the client as HTTP errors, never a hang: a Prefill that answers an error or
 cannot be reached, a rendezvous that does not complete within ``rendezvous_timeout_s``, or a
 request that outlives ``request_timeout_s`` aborts the Decode request (closing its HTTP
@@ -179,6 +189,7 @@ class _Job:
     rendezvous: list[dict[str, Any] | None] = field(default_factory=list)
     parsed: list[Rendezvous | None] = field(default_factory=list)
     dispatched: bool = False
+    early: dict[str, Any] | None = None  # the endpoint Prefill was sent before a rendezvous
     prefill_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     reaper: asyncio.TimerHandle | None = None
@@ -208,7 +219,7 @@ class _Job:
                 "rendezvous_ms": ms("rendezvous"), "prefill_sent_ms": ms("prefill_sent"),
                 "prefill_done_ms": ms("prefill_done"),
                 "decode_headers_ms": ms("decode_headers"), "done_ms": ms("done"),
-                "prefill_status": self.prefill_status}
+                "prefill_status": self.prefill_status, "early": self.early is not None}
 
 
 if hasattr(asyncio, "timeout_at"):  # Python 3.11+: a timer handle, the cheapest per token
@@ -293,6 +304,7 @@ class DisaggProxy:
         prefill_retries: int = 2,
         max_body: int = MAX_BODY_BYTES,
         token: str | None = None,
+        early_dispatch: bool = True,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("at least one Prefill and one Decode server are required")
@@ -315,6 +327,10 @@ class DisaggProxy:
         self.request_timeout_s = request_timeout_s
         self.prefill_retries = prefill_retries
         self.max_body = max_body
+        self.early_dispatch = early_dispatch
+        # Per Decode URL: the endpoint its latest rendezvous named, if it said
+        # keeps_local_prefix (C5); what an early dispatch sends Prefill.
+        self._endpoints: dict[str, dict[str, Any]] = {}
         # A bearer token every caller but a health probe must present (off unless given
         # here or in SFA_RD2H_METASERVER_TOKEN); Decode's rendezvous client and the
         # connectors' failure reports send the same one. Never logged.
@@ -630,6 +646,7 @@ class DisaggProxy:
                                         "metaserver": self.metaserver_url}
         d_task = asyncio.ensure_future(self._open(
             f"{job.decode}/v1/completions", d_body, self._headers(request, job.xrid)))
+        self._dispatch_early(job)
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             done, _ = await asyncio.wait({d_task, job.failure, gone},
@@ -854,6 +871,9 @@ class DisaggProxy:
         if job.failure.done():
             return 409, {"error": f"request_id {rdv.request_id!r}: the completion already "
                                   f"failed: {job.failure.result().message}"}
+        self._learn_endpoint(job, rdv)
+        if job.early is not None and job.parsed[i] is None:
+            return self._early_rendezvous(job, i, rdv)
         if job.dispatched:
             if job.parsed[i] != rdv:
                 # Prefill already has the first one; changing it now would split the request
@@ -870,14 +890,56 @@ class DisaggProxy:
         # Unknown keys travel on to Prefill (W4-style extension); the validated ones win.
         job.rendezvous[i] = {**raw, **rdv.to_json()}
         if all(p is not None for p in job.parsed):  # C3: every sub-request, then once
-            loop = asyncio.get_running_loop()
-            job.dispatched = True
-            job.times["rendezvous"] = loop.time()
-            if job.timer is not None:
-                job.timer.cancel()
-            job.prefill_tasks = [asyncio.ensure_future(self._prefill(job))]
-            job.prefill_tasks[0].add_done_callback(
-                lambda _: job.times.setdefault("prefill_done", loop.time()))
+            job.times["rendezvous"] = asyncio.get_running_loop().time()
+            self._dispatch(job)
+        return 200, {"status": "ok"}
+
+    def _dispatch(self, job: _Job) -> None:
+        """Send the completion to Prefill, once."""
+        loop = asyncio.get_running_loop()
+        job.dispatched = True
+        if job.timer is not None:
+            job.timer.cancel()
+        job.prefill_tasks = [asyncio.ensure_future(self._prefill(job))]
+        job.prefill_tasks[0].add_done_callback(
+            lambda _: job.times.setdefault("prefill_done", loop.time()))
+
+    def _learn_endpoint(self, job: _Job, rdv: Rendezvous) -> None:
+        """Remember the endpoint of a Decode that keeps its local prefix (C5), for the
+        completions dispatched early to it; forget it once a rendezvous does not say so."""
+        if rdv.keeps_local_prefix:
+            self._endpoints[job.decode] = _endpoint_of(rdv)
+        else:
+            self._endpoints.pop(job.decode, None)
+
+    def _dispatch_early(self, job: _Job) -> None:
+        """C3, early: Prefill gets the completion now, with the endpoint this Decode named
+        before and ``remote_cached_tokens: 0`` (it has not said its prefix hit yet; it
+        keeps its own prefix whatever Prefill sends, C5)."""
+        known = self._endpoints.get(job.decode) if self.early_dispatch else None
+        if known is None or loopback_across_hosts(str(known["remote_host"]), job.decode,
+                                                  job.prefill) is not None:
+            return
+        job.early = known
+        job.rendezvous = [{**known, "request_id": sub, "do_remote_prefill": False,
+                           "do_remote_decode": True, "remote_cached_tokens": 0}
+                          for sub in job.sub_ids]
+        self._dispatch(job)
+
+    def _early_rendezvous(self, job: _Job, i: int, rdv: Rendezvous) -> tuple[int, dict[str, Any]]:
+        """The rendezvous of a sub-request Prefill already has: it must name the endpoint
+        Prefill was given, or Prefill's READYs go where this Decode is not."""
+        if _endpoint_of(rdv) != job.early or not rdv.keeps_local_prefix:
+            message = (f"decode {job.decode} named endpoint {_endpoint_of(rdv)} for "
+                       f"{rdv.request_id}, but prefill {job.prefill} was already sent "
+                       f"{job.early} (early dispatch, C3) and a Decode that keeps its "
+                       f"local prefix (C5: {rdv.keeps_local_prefix}): the Decode instance "
+                       "changed (restarted?)")
+            job.fail(502, message, "BadGateway")
+            return 409, {"error": message}
+        job.parsed[i] = rdv
+        if all(p is not None for p in job.parsed):
+            job.times["rendezvous"] = asyncio.get_running_loop().time()
         return 200, {"status": "ok"}
 
     def _kv_failed(self, request_id: str, error: str,
@@ -955,6 +1017,11 @@ class DisaggProxy:
 # so every sub-request's rendezvous carries the same ones.
 _ENDPOINT_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_tp_size",
                   "remote_pcp_size", "remote_dcp_size")
+
+
+def _endpoint_of(rdv: Rendezvous) -> dict[str, Any]:
+    wire = rdv.to_json()
+    return {key: wire[key] for key in _ENDPOINT_KEYS}
 
 
 def prefill_params(rendezvous: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -1084,6 +1151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode", nargs="+", required=True, help="Decode server URLs")
     parser.add_argument("--rendezvous-timeout", type=float, default=60.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--no-early-dispatch", action="store_true",
+                        help="send Prefill each completion only once Decode's rendezvous "
+                             "came, never with the endpoint learned from earlier ones")
     parser.add_argument("--token-file", default=None,
                         help="a file holding the bearer token every caller but /health must "
                              f"send (default: ${TOKEN_ENV}, else none)")
@@ -1101,7 +1171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     proxy = DisaggProxy(args.prefill, args.decode, host=args.host, port=args.port,
                         advertise_host=args.advertise_host,
                         rendezvous_timeout_s=args.rendezvous_timeout,
-                        request_timeout_s=args.request_timeout, token=token)
+                        request_timeout_s=args.request_timeout, token=token,
+                        early_dispatch=not args.no_early_dispatch)
     # Leave the start-up heap (imports: about 60k objects) out of every later collection,
     # as vLLM's servers do: a full collection holds every stream in flight while it walks.
     gc.collect()

@@ -132,6 +132,8 @@ class ConsumerScheduler:
     def __init__(self, cfg: Rd2hConfig, block_sizes: Sequence[int]) -> None:
         self.cfg = cfg
         self.block_size = block_sizes[cfg.main_kv_group]
+        self.indexer_block_size = (block_sizes[cfg.indexer_kv_group]
+                                   if cfg.indexer_kv_group is not None else self.block_size)
         self.poster = RendezvousPoster(cfg)
         self._local_hit: dict[str, int] = {}  # req -> block-aligned local prefix hit
         self._waiting: dict[str, str] = {}  # req -> ext id: registered, KV not yet arrived
@@ -177,7 +179,7 @@ class ConsumerScheduler:
         self._meta.recv.append(RecvRequest(
             req_id, ext, _group_ids(ids, self.cfg.main_kv_group),
             _group_ids(ids, self.cfg.indexer_kv_group), local_hit // self.block_size,
-            url or ""))
+            url or "", local_hit // self.indexer_block_size))
         self._waiting[req_id] = ext
         self._unreported.add(req_id)
         if not url:
@@ -187,7 +189,7 @@ class ConsumerScheduler:
         rendezvous = Rendezvous(
             request_id=ext, remote_engine_id=self.cfg.engine_id, remote_host=self.cfg.host,
             remote_port=self.cfg.base_port, remote_tp_size=self.cfg.mapping.d_tp,
-            remote_cached_tokens=local_hit)
+            remote_cached_tokens=local_hit, keeps_local_prefix=True)
         self.poster.submit(req_id, url, rendezvous)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Rd2hMetadata:

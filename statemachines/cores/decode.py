@@ -64,6 +64,9 @@ class DecodeRequest:
     deadline: float
     ratio: int | None = None
     inflight: int = 0  # batched reads in flight that write into this request
+    # C5: positions below these (main, indexer) are Decode's own local prefix hit
+    own_main: int = 0
+    own_indexer: int = 0
 
 
 @dataclass(eq=False)
@@ -179,15 +182,26 @@ class DecodeCore:
 
     # ----------------------------------------------------------------- requests (C1)
     def register_request(self, ext_req_id: str, main_dest: Sequence[int],
-                         indexer_dest: Sequence[int], now: float) -> list[Action]:
-        """vLLM allocated this request's destinations; READYs for it may now be served."""
+                         indexer_dest: Sequence[int], now: float, *, own_main: int = 0,
+                         own_indexer: int = 0) -> list[Action]:
+        """vLLM allocated this request's destinations; READYs for it may now be served.
+
+        ``own_main`` / ``own_indexer``: how many leading positions of each list Decode
+        computed itself (its local prefix hit). No read ever writes them (C5), whatever
+        positions a READY names."""
         if ext_req_id in self.requests or ext_req_id in self.terminal:
             raise ProtocolError(f"C1: request {ext_req_id!r} is already registered")
+        main, indexer = _frozen_ids(main_dest), _frozen_ids(indexer_dest)
+        for name, own, dest in (("own_main", own_main, main),
+                                ("own_indexer", own_indexer, indexer)):
+            if not (isinstance(own, int) and 0 <= own <= dest.size):
+                raise ProtocolError(f"C5: {name}={own!r} of request {ext_req_id!r} is not a "
+                                    f"position in its {dest.size} registered blocks")
         status = self._requests.start(RequestStatus(ext_req_id))
         self._request_changes += 1
         req = self.requests[ext_req_id] = DecodeRequest(
-            status, _frozen_ids(main_dest), _frozen_ids(indexer_dest),
-            now + self.request_deadline)
+            status, main, indexer, now + self.request_deadline,
+            own_main=own_main, own_indexer=own_indexer)
         heapq.heappush(self._deadlines, (req.deadline, next(self._serial), "request", ext_req_id))
         actions: list[Action] = []
         early = self._failed_unregistered.pop(ext_req_id, None)
@@ -469,6 +483,9 @@ class DecodeCore:
             idx = _Lists([], [], [0] * len(live), counts=[0] * len(live),
                          sizes=[0] * len(live))
         cuts = self._cuts(main.n, idx.n, main.start, idx.start, member, ratio)
+        owns = [self._own_prefix(r) for r in reqs]
+        if any(a or b for a, b in owns):
+            cuts = _without_own_prefix(cuts, main.start, idx.start, owns)
         main_whole, idx_whole = not cuts.main_lo.any(), not cuts.indexer_lo.any()
         # L1 first as one test per group that every range ends inside its destination and
         # no piece starts before it (starts are >= 0 by ReadReq's own checks), which every
@@ -495,6 +512,10 @@ class DecodeCore:
         # this layer's layout, C4 adds its bases). Large layers are not kept.
         self._last_joined = (dests, joined, pairs if joined.size <= _KEPT_IDS else None)
         return plan, src_ids, joined, split, pairs
+
+    def _own_prefix(self, req: DecodeRequest) -> tuple[int, int]:
+        """C5: the (main, indexer) positions below which ``req``'s blocks are Decode's own."""
+        return req.own_main, req.own_indexer
 
     def _transfer_result(self, result: int | BaseException) -> int | BaseException:
         return result
@@ -814,6 +835,19 @@ class _Lists:
         dst = [d[at + a:at + b] for d, at, a, b
                in zip(self.dests, self.starts, los, his, strict=True)]
         return src, dst
+
+
+def _without_own_prefix(cuts: Cuts, main_start: np.ndarray, indexer_start: np.ndarray,
+                        owns: list[tuple[int, int]]) -> Cuts:
+    """C5: this rank's share of each entry less the positions Decode computed itself. A
+    Prefill that did not know Decode's local prefix hit (dispatched before the rendezvous,
+    or one count for a whole prompt list) names them; each rank drops the same positions
+    from its own piece, so the pieces stay disjoint (T6) and cover exactly the rest."""
+    own = np.array(owns, dtype=np.int64).reshape(-1, 2)
+    main_lo = np.minimum(np.maximum(cuts.main_lo, own[:, 0] - main_start), cuts.main_hi)
+    idx_lo = np.minimum(np.maximum(cuts.indexer_lo, own[:, 1] - indexer_start),
+                        cuts.indexer_hi)
+    return Cuts(main_lo, cuts.main_hi, idx_lo, cuts.indexer_hi)
 
 
 def _check_ranges(main: _Lists, idx: _Lists, cuts: Cuts, member: int) -> None:
