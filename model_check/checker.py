@@ -39,7 +39,7 @@ OPS_PER_RULE = 40
 # Progress first, faults last: shrinking moves choices toward lower indices, so minimal
 # counterexamples prefer ordinary progress over faults.
 KIND_ORDER = ("prefill", "to_decode", "read", "to_prefill", "rendezvous", "register", "agree",
-              "tick", *FAULT_OPS)
+              "abandon", "tick", *FAULT_OPS)
 
 settings.register_profile(
     "checker", deadline=None, stateful_step_count=4, max_examples=40, database=None,

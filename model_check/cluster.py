@@ -194,6 +194,9 @@ class Cluster:
         self.p_pos = [(0, 0, "begin")] * scope.p_tp  # (step, layer, phase) per Prefill rank
         self.p_started: list[set[int]] = [set() for _ in range(scope.p_tp)]
         self.rendezvous: set[int] = set()
+        # requests Decode's vLLM ended before allocating them (early dispatch only: Prefill
+        # already has them, C3)
+        self.abandoned: set[int] = set()
         self.registered: list[set[int]] = [set() for _ in range(self.n_d)]
         self.lost: set[int] = set()  # requests that died with a Decode restart
         self.outcome: dict[int, bool] = {}
@@ -398,8 +401,12 @@ class Cluster:
             if self.reads[g]:
                 ops.append(("read", g))
         for i in range(self.n_req):
+            if i in self.abandoned:
+                continue
             if i not in self.rendezvous:
                 ops.append(("rendezvous", i))
+                if s.early_dispatch:
+                    ops.append(("abandon", i))
             elif i not in self.lost and i not in self.outcome:
                 ranks = self.ranks_of(self.instance_of(i))
                 for g in ranks:
@@ -730,6 +737,15 @@ class Cluster:
         return (f"Decode instance {self.instance_of(i)} allocates {self.ext[i]} and posts its "
                 "rendezvous (C1)")
 
+    def _op_abandon(self, i: int) -> str:
+        """The client left before Decode admitted request ``i``: vLLM ends it unallocated,
+        and every rank of its instance forgets it, so READYs naming it (Prefill has it
+        already: early dispatch) stop waiting for it (C1, C3)."""
+        self.abandoned.add(i)
+        for g in self.ranks_of(self.instance_of(i)):
+            self._emit_decode(g, self.decode[g].forget_unregistered(self.ext[i], self.now))
+        return f"Decode instance {self.instance_of(i)} ends {self.ext[i]} before allocating it"
+
     def _op_register(self, g: int, i: int) -> str:
         self.registered[g].add(i)
         own = self._own_blocks(i)
@@ -957,6 +973,7 @@ class Cluster:
         reads = tuple(tuple((r.session, r.plan.local_addrs.tobytes(), r.plan.peer_addrs.tobytes())
                             for r in q) for q in self.reads)
         return (prefill, decode, net, reads, tuple(self.p_pos), tuple(sorted(self.rendezvous)),
+                tuple(sorted(self.abandoned)),
                 tuple(tuple(sorted(r)) for r in self.registered),
                 tuple(sorted(self.outcome.items())),
                 tuple(m.tobytes() for m in self.p_mem), self.d_mem.tobytes())

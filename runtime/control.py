@@ -886,6 +886,13 @@ class DecodeWorker(_Worker):
             actions = self.core.abort_request(ext_req_id, reason, self._clock())
         self._dispatch(actions)
 
+    def forget_unregistered(self, ext_req_id: str) -> None:
+        """vLLM ended the request before allocating it: READYs stop waiting for it (C1)."""
+        with self._cond:
+            self._check_alive()
+            actions = self.core.forget_unregistered(ext_req_id, self._clock())
+        self._dispatch(actions)
+
     def local_outcome(self, ext_req_id: str) -> bool | None:
         with self._cond:
             return self.core.local_outcome(ext_req_id)

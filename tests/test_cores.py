@@ -306,6 +306,24 @@ def test_decode_waits_for_late_registration_and_expires():  # C1 (known failure 
     assert d.local_outcome("r2") is False  # it was failed before it was registered
 
 
+def test_a_request_ended_unallocated_is_awaited_no_more():  # C1, C3, R5
+    """Prefill dispatched early sends READYs for a request that Decode's vLLM then ends
+    before allocating it: the waiting READY is answered at once, its entry skipped, and
+    so is a later one; a registered request is not forgotten."""
+    d = decode(destination_wait=5.0)
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    assert d.on_frame("p0", ready(reqs=(("r2", (1,), (1,), 0, 0),)), 0.0) == []
+    assert sends(d.forget_unregistered("r2", 1.0)) == [wire.encode(wire.ReadDone(0))]
+    assert not d.has_waiting_reads()
+    assert sends(d.on_frame("p0", ready(1, reqs=(("r2", (1,), (1,), 0, 0),)), 1.0)) == [
+        wire.encode(wire.ReadDone(1))]
+    assert d.stats.skipped_entries == 2
+    assert d.forget_unregistered("r1", 1.0) == [] and "r1" in d.requests
+    with pytest.raises(ProtocolError, match="C1: request 'r2' is already registered"):
+        d.register_request("r2", [1], [1], 2.0)
+
+
 def test_zero_block_member_still_acknowledges():  # T4, S3
     d = decode()
     d.register_request("r1", [10, 11], [20, 21], 0.0)

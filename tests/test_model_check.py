@@ -15,6 +15,7 @@ from sfa_rd2h.model_check.explore import DEFAULT_SCOPE, EARLY_SCOPE, explore
 from sfa_rd2h.model_check.invariants import InvariantViolation
 from sfa_rd2h.runtime.tools.cli import main
 from sfa_rd2h.spec.errors import TopologyError
+from sfa_rd2h.statemachines.cores.decode import DecodeCore
 
 PINNED = Path(__file__).parent / "data" / "mutant_counterexamples.json"
 
@@ -75,17 +76,28 @@ def test_explorer_finds_a_seeded_bug():
                 cluster_factory=lambda s: Cluster(s, decode_cls=mutants.SilentEmptyLayer))
 
 
-def test_early_dispatch_explored_whole_and_a_decode_writing_its_prefix_caught():  # C3, C5
+class _NeverForgets(DecodeCore):
+    """Decode that keeps waiting for a request vLLM ended before allocating it."""
+
+    def forget_unregistered(self, ext_req_id: str, now: float) -> list:
+        return []
+
+
+def test_early_dispatch_explored_whole_and_a_decode_writing_its_prefix_caught():  # C3, C5, C1
     """Prefill sent both requests before their rendezvous and told no cached tokens, while
-    Decode holds the first block of one itself: every interleaving keeps that block
-    untouched and ends in one outcome (the count is pinned); a Decode that reads every
-    position it is sent breaks C5."""
+    Decode holds the first block of one itself, and either request's client may leave
+    before Decode admits it: every interleaving keeps that block untouched and ends in one
+    outcome per set of requests left (the count is pinned). A Decode that reads every
+    position it is sent breaks C5; one that keeps waiting for a request its vLLM ended
+    unallocated leaves a READY unanswered (S3, without timers)."""
     result = explore(EARLY_SCOPE)
-    assert result.complete and result.final_states == 1
-    assert result.states == 641
+    assert result.complete and result.final_states == 4
+    assert result.states == 1442
     with pytest.raises(InvariantViolation, match="C5"):
         explore(EARLY_SCOPE,
                 cluster_factory=lambda s: Cluster(s, decode_cls=mutants.WritesOwnPrefix))
+    with pytest.raises(InvariantViolation, match="S3 violated: P0<->D0: 1 READY but 0 replies"):
+        explore(EARLY_SCOPE, cluster_factory=lambda s: Cluster(s, decode_cls=_NeverForgets))
 
 
 def test_checker_passes_on_the_correct_cores():

@@ -485,6 +485,9 @@ def test_decode_got_every_prompt_from_the_transfer(report: dict) -> None:
     # The client's streams are matched to the proxy's jobs by completion id.
     assert 0 < bd["matched_streams"] <= bd["jobs"]
     assert bd["first_token_after_prefill_ms"] is not None
+    # Decode's rendezvous of the first completion named its endpoint and said it keeps its
+    # prefix (C5): the proxy dispatched the later ones to Prefill beside Decode (C3).
+    assert 0 < bd["early_jobs"] <= bd["jobs"] and bd["client_to_prefill_call_ms"] is not None
 
 
 def test_the_stats_are_read_once_every_rendezvous_ended() -> None:

@@ -7,8 +7,8 @@ the single-engine reference (an offline ``LLM`` without a connector, started alo
 load the same random tiny Llama, saved here. The disaggregated outputs must equal the
 reference token for token: a prompt shorter than a block, a block-aligned one, one longer
 than ``--max-num-batched-tokens`` (prefill in several chunks) and a prompt list; then a
-streamed completion, and a repeated prompt that Decode partly holds already (C1
-``remote_cached_tokens``). Last, one request goes to a second Decode engine whose reads fail
+streamed completion, and a repeated prompt that Decode partly holds already, dispatched
+to Prefill early (C3, C5). Last, one request goes to a second Decode engine whose reads fail
 for real (its host engine is forced into shm mode, which cannot read the KV cache vLLM
 allocated on Prefill, F2) while others go to the good one: that request gets an HTTP error
 through its proxy, the others still match, and every engine ends with every KV block freed.
@@ -193,8 +193,10 @@ def test_disaggregated_outputs_equal_single_engine_token_for_token(env: Env) -> 
 
 def test_streamed_and_repeated_prompts(env: Env) -> None:
     """The proxy passes vLLM's event stream through; a prompt Decode has seen before is a
-    local prefix hit there, so Prefill sends only the blocks after it (C1
-    ``remote_cached_tokens``) and the output still equals the reference."""
+    local prefix hit there. The proxy knows this Decode by now and dispatches to Prefill
+    early, before the rendezvous, with no cached tokens (C3): Prefill names every block,
+    Decode pulls only those after its own prefix (C5), and the output still equals the
+    reference."""
     import httpx
 
     tokens: list[int] = []
@@ -228,6 +230,8 @@ def test_streamed_and_repeated_prompts(env: Env) -> None:
     env.blocks += pulled
     total = launch.expected_blocks(chunked.prompts, env.opts.block_size)
     assert 0 < pulled < total, d  # the prefix hit was not pulled again
+    assert env.dep.proxy.wait_idle(10.0)
+    assert env.dep.proxy.records()[-1]["early"] is True
     env.figures["repeated_prompt_blocks_pulled"] = f"{pulled} of {total}"
 
 

@@ -618,14 +618,27 @@ def test_prompt_list_posts_one_rendezvous_per_prompt(pair, metaserver):
 
 @pytest.mark.parametrize("phase", ["before_alloc", "waiting_for_prefill", "kv_arrived"])
 def test_decode_abort_in_every_phase(pair, metaserver, phase):
-    p, d = pair()
+    # A READY waiting for destinations would wait 25 s, longer than any WAIT below.
+    p, d = pair(d_extra={"destination_wait": 25.0})
     rid_d, rid_p = "cmpl-abort-0-dddddddd", "cmpl-abort-0-pppppppp"
     start_decode(d, rid_d, 40, metaserver)
     if phase == "before_alloc":
+        # Prefill was dispatched early (C3), with the endpoint this Decode named before:
+        # it computes the request and sends READYs for it while Decode has not admitted it.
+        early = {"do_remote_decode": True, "remote_engine_id": "d", "remote_host": "127.0.0.1",
+                 "remote_port": d.half.port, "remote_tp_size": 1, "remote_cached_tokens": 0}
+        p.sched.add_request(prefill_request(rid_p, 40, early))
+        p.step()
         d.sched.finish_requests(rid_d, ABORTED)
         d.step()
         assert not d.sched.requests and d.free_blocks() == NUM_BLOCKS - 1
         assert not metaserver.posts  # never allocated: no rendezvous (C1)
+        # Decode's vLLM ended it unallocated: the READYs are answered now, not once
+        # destination_wait ran out (C1), and Prefill frees its blocks.
+        assert p.half.wait_for_sends(WAIT) == []
+        p.step()
+        assert not p.sched.requests and p.free_blocks() == NUM_BLOCKS - 1
+        assert d.stats.data["counters"].get("requests_failed", 0) == 0
         return
     d.step()
     d_blocks = d.block_ids(rid_d)

@@ -65,6 +65,8 @@ class Rd2hMetadata(KVConnectorMetadata):
     recv: list[RecvRequest] = field(default_factory=list)
     cancel_recv: dict[str, str] = field(default_factory=dict)  # vLLM aborted: req -> reason
     fail_recv: dict[str, str] = field(default_factory=dict)  # rendezvous failed: req -> error
+    # ext ids vLLM ended before allocating them: never registered, never to be awaited (C1)
+    forget_recv: list[str] = field(default_factory=list)
     # Some request registered for receiving is not yet reported in finished_recving. The
     # same value reaches every TP rank, so all ranks skip the agreement round together
     # when it is False (R2); True unless the scheduler half says otherwise.
@@ -80,7 +82,8 @@ class Rd2hMetadata(KVConnectorMetadata):
     finished: dict[str, bool] = field(default_factory=dict)  # req -> blocks held until sent
 
     def is_empty(self) -> bool:
-        return not (self.recv or self.cancel_recv or self.fail_recv or self.send
+        return not (self.recv or self.cancel_recv or self.fail_recv or self.forget_recv
+                    or self.send
                     or self.extend or self.chunks or self.finished)
 
 

@@ -213,6 +213,13 @@ class ConsumerScheduler:
         reports it in ``finished_recving`` (no read writes into them any more, R5)."""
         req_id = request.request_id
         self._local_hit.pop(req_id, None)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            # Ended before its blocks were allocated (a client gone while it waited): it
+            # posts no rendezvous, but a Prefill dispatched early (C3) may already send
+            # READYs for it, which must not wait for destinations that never come (C1).
+            self._meta.forget_recv.append(external_id(req_id))
+            return False, None
         if req_id in self._waiting:
             del self._waiting[req_id]
             self._meta.cancel_recv[req_id] = f"request {req_id} finished while receiving"

@@ -692,6 +692,9 @@ class ConsumerWorker:
             self._blocks[recv.req_id] = blocks
             if recv.metaserver:
                 self._report_to[recv.req_id] = recv.metaserver
+        if self.worker is not None:
+            for ext in meta.forget_recv:
+                self.worker.forget_unregistered(ext)
         for req_id, reason in [*meta.fail_recv.items(), *meta.cancel_recv.items()]:
             ext = self._ext_of.get(req_id)
             known = ext is not None or req_id in self._unregistered

@@ -212,6 +212,24 @@ class DecodeCore:
         if early is not None:
             self._fire_request(status, "read_failed", early)
             actions += self._maybe_ready(req)
+        return actions + self._stop_awaiting(ext_req_id, now)
+
+    def forget_unregistered(self, ext_req_id: str, now: float) -> list[Action]:
+        """vLLM ended a request before allocating its destinations (its client left before
+        Decode admitted it, while Prefill, dispatched early, C3, already sends): it will
+        never be registered. READYs stop waiting for it and skip its entries (R5), so
+        Prefill's slots are answered now rather than when ``destination_wait`` runs out
+        (C1). A no-op for a registered or terminal request."""
+        if ext_req_id in self.requests or ext_req_id in self.terminal:
+            return []
+        _remember(self.terminal, ext_req_id, False, self.limits.tombstones)
+        self._failed_unregistered.pop(ext_req_id, None)
+        return self._stop_awaiting(ext_req_id, now)
+
+    def _stop_awaiting(self, ext_req_id: str, now: float) -> list[Action]:
+        """The READYs that waited for ``ext_req_id``'s destinations wait no more for it;
+        those that wait for nothing else are served now (C1)."""
+        actions: list[Action] = []
         for ready in self._waiting_by_id.pop(ext_req_id, ()):
             if self._waiting.get(ready.seq) is not ready:
                 continue

@@ -251,7 +251,8 @@ def write_serving_charts(rep: dict[str, Any], out_dir: str) -> list[str]:
     fig.savefig(paths[1], format="png", metadata={"Software": None})
 
     fig, ax = _titled("where sfa's TTFT goes (median per phase)", note)
-    parts = (("client_to_rendezvous_ms", "client -> Decode's rendezvous"),
+    parts = (("client_to_prefill_call_ms",
+              "client -> Prefill call (Decode's rendezvous unless dispatched early)"),
              ("prefill_compute_and_push_ms", "Prefill compute + layer pushes"),
              ("first_token_after_prefill_ms", "Decode's first token after Prefill"))
     bd = rep.get("sfa_ttft_breakdown") or {}

@@ -311,13 +311,15 @@ def stalled_rounds(maxes: Sequence[float | None], p50s: Sequence[float | None]) 
 def breakdown(jobs: Sequence[dict[str, Any]], outcomes: Sequence[Outcome],
               decode_stats: dict[str, float]) -> dict[str, Any]:
     """Where ``sfa``'s TTFT goes, medians over the proxy's completed jobs, each phase taken
-    per request: client to Decode's rendezvous (Decode scheduled the request and
-    allocated), rendezvous to Prefill's answer (Prefill computed the prompt and pushed every
-    layer), Prefill's answer to the first token at the client (Decode's first step and the
-    stream back; the job matched to the client's request by its completion id)."""
+    per request: client to the Prefill call (Decode's rendezvous first, unless the proxy
+    dispatched early, C3), the Prefill call to Prefill's answer (Prefill computed the
+    prompt and pushed every layer), Prefill's answer to the first token at the client
+    (Decode's first step and the stream back; the job matched to the client's request by
+    its completion id). Decode's rendezvous time is there too: in series with Prefill's
+    phase when dispatched after it, beside it when early."""
     ttft = {o.resp_id: o.ttft * 1e3 for o in outcomes
             if o.resp_id and o.ttft is not None and o.success and not o.cancelled}
-    ok = [j for j in jobs if j.get("outcome") == "ok" and j.get("rendezvous_ms") is not None
+    ok = [j for j in jobs if j.get("outcome") == "ok" and j.get("prefill_sent_ms") is not None
           and j.get("prefill_done_ms") is not None]
     if not ok:
         return {}
@@ -325,11 +327,13 @@ def breakdown(jobs: Sequence[dict[str, Any]], outcomes: Sequence[Outcome],
     def med(xs: Sequence[float]) -> float | None:
         return round(statistics.median(xs), 3) if xs else None
 
-    return {"jobs": len(ok),
+    return {"jobs": len(ok), "early_jobs": sum(bool(j.get("early")) for j in ok),
             "decode_headers_ms": med([j["decode_headers_ms"] for j in ok
                                       if j["decode_headers_ms"] is not None]),
-            "client_to_rendezvous_ms": med([j["rendezvous_ms"] for j in ok]),
-            "prefill_compute_and_push_ms": med([j["prefill_done_ms"] - j["rendezvous_ms"]
+            "client_to_rendezvous_ms": med([j["rendezvous_ms"] for j in ok
+                                            if j.get("rendezvous_ms") is not None]),
+            "client_to_prefill_call_ms": med([j["prefill_sent_ms"] for j in ok]),
+            "prefill_compute_and_push_ms": med([j["prefill_done_ms"] - j["prefill_sent_ms"]
                                                 for j in ok]),
             "first_token_after_prefill_ms": med([ttft[j["id"]] - j["prefill_done_ms"]
                                                  for j in ok if j["id"] in ttft]),
