@@ -100,7 +100,9 @@ RULES: tuple[Rule, ...] = (
     # Lifecycle
     _r("C1", "Decode allocates destinations for a remote-prefill request, keeps the block ids "
              "local, advertises its endpoint via the metaserver and waits a bounded time for "
-             "READY."),
+             "READY. A READY that comes first waits a bounded time for the destinations of "
+             "the requests it names; those still missing then fail (R5), and the READY is "
+             "served for the rest."),
     _r("C2", "Prefill tracks source blocks, endpoint and chunk progress per request; each "
              "chunk covers its newly completed blocks, the last one its partial block."),
     _r("C3", "A prompt list expands to sub-requests on Decode; the proxy dispatches the "

@@ -13,8 +13,9 @@ Rules (spec/PROTOCOL.md IDs):
   until the compute path has observed it (S4).
 * ``decode_layer_read`` - one per READY received on a Decode rank. Validation failures and
   non-zero transfer results end in ``failed`` (L1, F2, W5); a READY whose destinations are
-  not registered yet waits a bounded time (C1); every READY ends in exactly one reply
-  (S3, T4).
+  not registered yet waits a bounded time (C1), after which the requests still missing
+  fail on their own (R5) and the READY is served for the rest; every READY ends in exactly
+  one reply (S3, T4).
 * ``request_status`` - one per external request id on a Decode rank. Local completion needs
   the final-layer signal of every contributor of the group, counted once each (R1, R4);
   a contributor announcing a different ``tp_ratio`` fails the request (R1, T1); the terminal
@@ -143,7 +144,9 @@ DECODE_LAYER_READ = MachineSpec(
         T("accept", "received", "reading", ("C4",), conditions=("has_reads",)),
         T("accept", "received", "done", ("S3", "T4")),
         T("destinations_arrived", "awaiting_destinations", "received", ("C1",)),
-        T("wait_expired", "awaiting_destinations", "failed", ("C1",), before=("record_error",)),
+        # The missing requests fail (R5: a layer of theirs went unread); the READY is then
+        # served for the others, which were never at fault (C1).
+        T("wait_expired", "awaiting_destinations", "received", ("C1", "R5")),
         T("read_completed", "reading", "done", ("C4", "S6"),
           conditions=("result_ok", "within_budget")),
         T("read_completed", "reading", "failed", ("F2", "S6", "R5"),

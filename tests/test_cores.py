@@ -300,10 +300,29 @@ def test_decode_waits_for_late_registration_and_expires():  # C1 (known failure 
     [read] = d.register_request("r1", [10, 11], [20, 21], 1.0)
     assert isinstance(read, IssueRead)
     assert d.on_frame("p0", ready(reqs=(("r2", (1,), (1,), 0, 0),)), 2.0) == []
-    [reply] = sends(d.tick(7.0))
-    assert "C1: destinations of r2 not registered" in wire.decode(reply).error
+    # r2 never came: it alone fails (R5), and the READY, with nothing else to read, is done
+    assert sends(d.tick(7.0)) == [wire.encode(wire.ReadDone(0))]
     d.register_request("r2", [1], [1], 8.0)
     assert d.local_outcome("r2") is False  # it was failed before it was registered
+
+
+def test_a_request_that_never_registers_fails_alone():  # C1, R5, S3
+    """A READY naming a registered request and one whose destinations never come (its
+    client left before Decode admitted it, Prefill dispatched early): when the wait ends,
+    the registered one is read and completes; only the missing one fails."""
+    d = decode(destination_wait=5.0)
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    d.on_frame("p0", wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    both = (("r1", (5, 6), (1, 2), 0, 0), ("r2", (7,), (3,), 0, 0))
+    assert d.on_frame("p0", ready(reqs=both, done=("r1", "r2")), 0.0) == []
+    [read] = d.tick(5.0)
+    assert isinstance(read, IssueRead)
+    assert _read_positions(read, 0x900000, MAIN) == [10, 11]
+    actions = d.read_result(read.read_id, 0, 5.1)
+    assert sends(actions) == [wire.encode(wire.ReadDone(0))]
+    assert d.local_outcome("r1") is True
+    d.register_request("r2", [30], [31], 6.0)
+    assert d.local_outcome("r2") is False
 
 
 def test_a_request_ended_unallocated_is_awaited_no_more():  # C1, C3, R5

@@ -109,7 +109,8 @@ def test_layer_read_paths():  # S3, C1, F2
     assert d.fire(empty, "accept") == "done"  # T4: zero blocks still replies
     waiting = d.start(LayerRead("c/1", 1, missing=frozenset({"r"})))
     assert d.fire(waiting, "accept") == "awaiting_destinations"
-    assert d.fire(waiting, "wait_expired", "C1: destinations never registered") == "failed"
+    # the missing requests fail on their own (R5); the READY is served for the others
+    assert d.fire(waiting, "wait_expired") == "received"
     reading = d.start(LayerRead("c/2", 2, n_reads=3))
     d.fire(reading, "accept")
     assert d.fire(reading, "read_completed", -5, 0.0) == "failed"

@@ -684,12 +684,17 @@ class DecodeCore:
                 assert isinstance(ready, ServedReady)
                 if self._waiting.get(ready.seq) is not ready:
                     continue
-                missing = ", ".join(sorted(ready.read.missing))
+                missing = sorted(ready.read.missing)
                 self._stop_waiting(ready)
-                self._reads.fire(ready.read, "wait_expired",
-                                 f"C1: destinations of {missing} not registered within "
-                                 f"{self.destination_wait}s")
-                actions += self._finish(ready)
+                error = (f"C1: destinations of {', '.join(missing)} not registered within "
+                         f"{self.destination_wait}s")
+                # Only the missing requests are at fault: they fail (on registration, if it
+                # ever comes, R5), and the READY is served for the others.
+                for ext in missing:
+                    self._remember_failure(ext, error)
+                ready.read.missing = frozenset()
+                self._reads.fire(ready.read, "wait_expired")
+                actions += self._plan(ready, now)
             else:
                 req = self.requests.get(str(what))
                 if req is not None and req.status.state == "registered" and \
