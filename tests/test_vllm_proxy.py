@@ -200,6 +200,16 @@ def test_prompt_list_reaches_prefill_once_after_every_rendezvous(backends, proxy
             for i in range(3)] == [64, 32, 96]
 
 
+def _completion_scope(raw: bytes, port: int) -> dict:
+    """An ASGI scope for ``POST /v1/completions`` with ``raw`` as its body."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", port),
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(raw)).encode())], "state": {}}
+
+
 def _in_thread(proxy: DisaggProxy, body: dict) -> tuple[threading.Thread, dict]:
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=complete(proxy, body)))
@@ -275,6 +285,60 @@ def test_an_early_dispatch_to_a_changed_decode_fails_that_completion_only(backen
     assert backends.prefill_calls[-1]["posts_started"] == backends.posts_started
     assert [rec["early"] for rec in proxy.records(5, timeout=10.0)] == [
         False, True, True, True, False]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_decode_registered_an_early_completion(backends, proxy, stream):
+    """C1, C3: Prefill was sent the completion early and may already push READYs for it; a
+    request closed before Decode's engine saw it would never be registered, leaving those
+    READYs to hold Prefill's slots until Decode's destination_wait ran out. So the proxy
+    closes Decode's call only once Decode's rendezvous came (driven as an ASGI call: the
+    client leaves while the proxy waits for Decode's headers, or before the body began)."""
+    backends.keeps_local_prefix = True
+    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    backends.rendezvous_gate.clear()
+    backends.decode_release.clear()
+    entered = threading.Event()
+    real = proxy._decode_registered
+
+    async def spy(job, decode_call=None):  # type: ignore[no-untyped-def]
+        entered.set()
+        await real(job, decode_call)
+
+    proxy._decode_registered = spy  # type: ignore[method-assign]
+    raw = json.dumps({"model": "m", "prompt": [3, 4], "max_tokens": 2,
+                      "stream": stream}).encode()
+    scope = _completion_scope(raw, 1)
+
+    async def drive() -> None:
+        receives = 0
+        never = asyncio.Event()
+
+        async def receive() -> dict:
+            nonlocal receives
+            receives += 1
+            if receives == 1:
+                return {"type": "http.request", "body": raw, "more_body": False}
+            if receives == 2 and stream:  # the watch while Decode's headers come
+                await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            return None
+
+        await proxy.app(scope, receive, send)
+
+    assert proxy._loop is not None
+    done = asyncio.run_coroutine_threadsafe(drive(), proxy._loop)
+    assert entered.wait(10)
+    assert not backends.decode_cancelled.is_set()  # Decode's call is held open ...
+    backends.rendezvous_gate.set()  # ... until its rendezvous comes
+    assert backends.decode_cancelled.wait(10)
+    done.result(timeout=10)
+    assert proxy.wait_idle(5.0)
+    assert backends.posts_started == 2
+    last = proxy.records()[-1]
+    assert last["outcome"] == "client gone" and last["early"] is True
 
 
 def test_without_early_dispatch_prefill_waits_for_every_rendezvous(backends):
@@ -372,13 +436,7 @@ def test_a_client_gone_ends_its_job_and_aborts_decode_at_once(backends, proxy, w
         backends.decode_rest.clear()  # its first token sent, the next one not yet
     raw = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 8,
                       "stream": True}).encode()
-    port = int(proxy.url.rsplit(":", 1)[1])
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", port),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())], "state": {}}
+    scope = _completion_scope(raw, int(proxy.url.rsplit(":", 1)[1]))
     receives = 0
 
     async def drive() -> list[dict]:

@@ -190,6 +190,7 @@ class _Job:
     parsed: list[Rendezvous | None] = field(default_factory=list)
     dispatched: bool = False
     early: dict[str, Any] | None = None  # the endpoint Prefill was sent before a rendezvous
+    registered: asyncio.Event | None = None  # early: set once every rendezvous came
     prefill_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     reaper: asyncio.TimerHandle | None = None
@@ -479,6 +480,8 @@ class DisaggProxy:
         self._closing = True
         for job in list(self._jobs.values()):
             job.fail(503, "the proxy is shutting down")
+            if job.registered is not None:
+                job.registered.set()  # nobody waits for Decode's rendezvous any more
             for task in job.prefill_tasks:
                 task.cancel()
 
@@ -655,6 +658,7 @@ class DisaggProxy:
         finally:
             gone.cancel()
         if d_task not in done:
+            await self._decode_registered(job, d_task)
             # Cancelling the call closes the connection: vLLM aborts the request on Decode.
             d_task.cancel()
             resp = await _settle(d_task)
@@ -727,6 +731,10 @@ class DisaggProxy:
         a deadline later."""
         if "done" in job.times:
             return
+        if outcome != "ok":
+            # Also from a cancelled stream's cleanup: this wait is bounded, not cancelled.
+            with anyio.CancelScope(shield=True):
+                await self._decode_registered(job)
         resp.close()
         job.times["done"] = asyncio.get_running_loop().time()
         # Decode answered: Prefill calls still running (its 1-token answer can trail
@@ -921,14 +929,21 @@ class DisaggProxy:
                                                   job.prefill) is not None:
             return
         job.early = known
+        job.registered = asyncio.Event()
         job.rendezvous = [{**known, "request_id": sub, "do_remote_prefill": False,
                            "do_remote_decode": True, "remote_cached_tokens": 0}
                           for sub in job.sub_ids]
         self._dispatch(job)
 
     def _early_rendezvous(self, job: _Job, i: int, rdv: Rendezvous) -> tuple[int, dict[str, Any]]:
-        """The rendezvous of a sub-request Prefill already has: it must name the endpoint
-        Prefill was given, or Prefill's READYs go where this Decode is not."""
+        """The rendezvous of a sub-request Prefill already has: Decode has registered it,
+        and it must name the endpoint Prefill was given, or Prefill's READYs go where this
+        Decode is not."""
+        job.parsed[i] = rdv
+        if all(p is not None for p in job.parsed):
+            job.times["rendezvous"] = asyncio.get_running_loop().time()
+            assert job.registered is not None
+            job.registered.set()
         if _endpoint_of(rdv) != job.early or not rdv.keeps_local_prefix:
             message = (f"decode {job.decode} named endpoint {_endpoint_of(rdv)} for "
                        f"{rdv.request_id}, but prefill {job.prefill} was already sent "
@@ -937,10 +952,33 @@ class DisaggProxy:
                        "changed (restarted?)")
             job.fail(502, message, "BadGateway")
             return 409, {"error": message}
-        job.parsed[i] = rdv
-        if all(p is not None for p in job.parsed):
-            job.times["rendezvous"] = asyncio.get_running_loop().time()
         return 200, {"status": "ok"}
+
+    async def _decode_registered(self, job: _Job,
+                                 decode_call: asyncio.Future[Any] | None = None) -> None:
+        """Before a completion dispatched early stops Decode's call unfinished (the client
+        left, a failure): wait until Decode posted every rendezvous, bounded by the
+        rendezvous timeout and the deadline, or until its call ended otherwise. Prefill may
+        already have sent READYs for it, and a request closed before Decode's engine saw it
+        is never registered there, so those READYs would hold Prefill's slots until
+        Decode's ``destination_wait`` ran out (C1). Registered, it is aborted as usual and
+        the READYs are answered."""
+        if job.registered is None or job.registered.is_set() or self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        until = min(loop.time() + self.rendezvous_timeout_s, job.deadline)
+        registered = asyncio.ensure_future(job.registered.wait())
+        waiters: set[asyncio.Future[Any]] = {registered}
+        if decode_call is not None:
+            waiters.add(decode_call)
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=max(0.0, until - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if decode_call in done and not registered.done() and _streaming_ok(decode_call):
+                # Decode's stream began; its engine may not have the request yet.
+                await asyncio.wait({registered}, timeout=max(0.0, until - loop.time()))
+        finally:
+            registered.cancel()
 
     def _kv_failed(self, request_id: str, error: str,
                    reporter: str) -> tuple[int, dict[str, Any]]:
@@ -1124,6 +1162,13 @@ def _failure_report(body: Any) -> tuple[str, str, str]:
             raise ValueError(f"{name!r} must be a non-empty string")
         fields.append(value[:limit])
     return fields[0], fields[1], fields[2] or "an unnamed reporter"
+
+
+def _streaming_ok(call: asyncio.Future[Any]) -> bool:
+    """Whether a finished Decode call gave a 200 response (a stream that may go on)."""
+    if call.cancelled() or call.exception() is not None:
+        return False
+    return getattr(call.result(), "status", None) == 200
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
