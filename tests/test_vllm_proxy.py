@@ -251,6 +251,30 @@ def test_prefill_is_dispatched_beside_decode_once_decode_keeps_its_prefix(backen
     assert records[1]["rendezvous_ms"] is not None
 
 
+def test_no_early_dispatch_while_that_decode_has_not_admitted_an_earlier_one(backends, proxy):
+    """C3, C1: a completion sent to a Decode that has not yet posted the rendezvous of one
+    sent before goes to Prefill only after its own rendezvous: that Decode may be short of
+    KV blocks, and Prefill's READYs for a request it cannot admit would wait (holding
+    Prefill's slots) until destination_wait and then fail, where Decode first queues it."""
+    backends.keeps_local_prefix = True
+    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    backends.rendezvous_gate.clear()
+    backends.decode_arrived.clear()
+    first, first_result = _in_thread(proxy, {"model": "m", "prompt": [3], "max_tokens": 1})
+    assert backends.decode_arrived.wait(10)
+    backends.decode_arrived.clear()
+    second, second_result = _in_thread(proxy, {"model": "m", "prompt": [4], "max_tokens": 1})
+    assert backends.decode_arrived.wait(10)  # its dispatch was decided before this
+    backends.rendezvous_gate.set()
+    first.join(15)
+    second.join(15)
+    assert first_result["r"].status_code == second_result["r"].status_code == 200
+    assert proxy.wait_idle(10.0)
+    by_prompt = {rec["id"]: rec["early"] for rec in proxy.records()}
+    calls = {c["body"]["prompt"][0]: f"cmpl-{c['x_request_id']}" for c in backends.prefill_calls}
+    assert by_prompt[calls[3]] is True and by_prompt[calls[4]] is False
+
+
 def test_an_early_dispatch_to_a_changed_decode_fails_that_completion_only(backends, proxy):
     """C3: Prefill was sent the endpoint learned before; a rendezvous naming another (a
     Decode restarted elsewhere) or no longer keeping its prefix (C5) fails the completion

@@ -18,7 +18,9 @@ a Decode instance's endpoint does not change between requests, and a Decode whos
 rendezvous says ``keeps_local_prefix`` never writes its own prefix hit whatever Prefill
 sends (C5). Once such a rendezvous came from an instance, the proxy sends each later
 completion to Prefill at the same time as to that Decode, with the endpoint it learned and
-``remote_cached_tokens: 0``, so Decode's admission no longer runs before Prefill's. The
+``remote_cached_tokens: 0``, so Decode's admission no longer runs before Prefill's. Only
+while that Decode keeps up: with the rendezvous of an earlier completion still outstanding
+there (it may be short of KV blocks and queueing), a completion goes Decode first. The
 rendezvous still comes, and must name the same endpoint and still keep its prefix: one
 that does not (a Decode restarted elsewhere, or replaced by a build without C5) fails that
 completion, and the next is dispatched by what it named.
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import hmac
@@ -191,6 +194,7 @@ class _Job:
     dispatched: bool = False
     early: dict[str, Any] | None = None  # the endpoint Prefill was sent before a rendezvous
     registered: asyncio.Event | None = None  # early: set once every rendezvous came
+    admitting: bool = False  # counted among its Decode's completions awaiting a rendezvous
     prefill_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     reaper: asyncio.TimerHandle | None = None
@@ -332,6 +336,9 @@ class DisaggProxy:
         # Per Decode URL: the endpoint its latest rendezvous named, if it said
         # keeps_local_prefix (C5); what an early dispatch sends Prefill.
         self._endpoints: dict[str, dict[str, Any]] = {}
+        # Per Decode URL: completions sent there whose rendezvous have not all come (its
+        # admissions in progress); early dispatch only while it has none but the new one.
+        self._admitting: collections.Counter[str] = collections.Counter()
         # A bearer token every caller but a health probe must present (off unless given
         # here or in SFA_RD2H_METASERVER_TOKEN); Decode's rendezvous client and the
         # connectors' failure reports send the same one. Never logged.
@@ -622,6 +629,8 @@ class DisaggProxy:
             self._idle.clear()
         for i, sub in enumerate(job.sub_ids):
             self._subs[sub] = (job, i)
+        job.admitting = True
+        self._admitting[job.decode] += 1
         job.timer = loop.call_later(self.rendezvous_timeout_s, self._rendezvous_expired, job)
         # Backstop for a response that is never iterated (client gone before the body
         # started): nothing is registered past the deadline.
@@ -857,6 +866,7 @@ class DisaggProxy:
                 job.reaper.cancel()
             for sub in job.sub_ids:
                 self._subs.pop(sub, None)
+            self._admitted(job)
             self._recent.append(job.record())
             self._records_written += 1
             self._recorded.notify_all()
@@ -899,8 +909,17 @@ class DisaggProxy:
         job.rendezvous[i] = {**raw, **rdv.to_json()}
         if all(p is not None for p in job.parsed):  # C3: every sub-request, then once
             job.times["rendezvous"] = asyncio.get_running_loop().time()
+            self._admitted(job)
             self._dispatch(job)
         return 200, {"status": "ok"}
+
+    def _admitted(self, job: _Job) -> None:
+        """The completion no longer counts as awaiting its Decode's admission."""
+        if job.admitting:
+            job.admitting = False
+            self._admitting[job.decode] -= 1
+            if not self._admitting[job.decode]:
+                del self._admitting[job.decode]
 
     def _dispatch(self, job: _Job) -> None:
         """Send the completion to Prefill, once."""
@@ -925,6 +944,12 @@ class DisaggProxy:
         before and ``remote_cached_tokens: 0`` (it has not said its prefix hit yet; it
         keeps its own prefix whatever Prefill sends, C5)."""
         known = self._endpoints.get(job.decode) if self.early_dispatch else None
+        if self._admitting[job.decode] > 1:
+            # That Decode has not yet admitted a completion sent before: it may be short of
+            # KV blocks, and a request it cannot admit would keep Prefill's READYs waiting
+            # (its slots, every later step) until destination_wait and then fail (C1),
+            # where Decode first just queues it.
+            known = None
         if known is None or loopback_across_hosts(str(known["remote_host"]), job.decode,
                                                   job.prefill) is not None:
             return
@@ -942,6 +967,7 @@ class DisaggProxy:
         job.parsed[i] = rdv
         if all(p is not None for p in job.parsed):
             job.times["rendezvous"] = asyncio.get_running_loop().time()
+            self._admitted(job)
             assert job.registered is not None
             job.registered.set()
         if _endpoint_of(rdv) != job.early or not rdv.keeps_local_prefix:
