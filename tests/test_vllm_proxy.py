@@ -210,6 +210,19 @@ def _completion_scope(raw: bytes, port: int) -> dict:
                         (b"content-length", str(len(raw)).encode())], "state": {}}
 
 
+def _when_waiting_for_decode(proxy: DisaggProxy) -> threading.Event:
+    """Set once the proxy starts waiting for Decode's rendezvous before closing its call."""
+    entered = threading.Event()
+    real = proxy._decode_registered
+
+    async def spy(job, decode_call=None):  # type: ignore[no-untyped-def]
+        entered.set()
+        await real(job, decode_call)
+
+    proxy._decode_registered = spy  # type: ignore[method-assign]
+    return entered
+
+
 def _in_thread(proxy: DisaggProxy, body: dict) -> tuple[threading.Thread, dict]:
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=complete(proxy, body)))
@@ -322,14 +335,7 @@ def test_a_client_gone_before_decode_registered_an_early_completion(backends, pr
     assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
     backends.rendezvous_gate.clear()
     backends.decode_release.clear()
-    entered = threading.Event()
-    real = proxy._decode_registered
-
-    async def spy(job, decode_call=None):  # type: ignore[no-untyped-def]
-        entered.set()
-        await real(job, decode_call)
-
-    proxy._decode_registered = spy  # type: ignore[method-assign]
+    entered = _when_waiting_for_decode(proxy)
     raw = json.dumps({"model": "m", "prompt": [3, 4], "max_tokens": 2,
                       "stream": stream}).encode()
     scope = _completion_scope(raw, 1)
@@ -363,6 +369,28 @@ def test_a_client_gone_before_decode_registered_an_early_completion(backends, pr
     assert backends.posts_started == 2
     last = proxy.records()[-1]
     assert last["outcome"] == "client gone" and last["early"] is True
+
+
+def test_an_early_completion_failed_by_prefill_still_learns_decode_registered(backends, proxy):
+    """C3, F1: Prefill fails an early completion before Decode posted its rendezvous; the
+    proxy holds Decode's call until that rendezvous (it may already have READYs waiting),
+    which is answered 409 since the completion failed but still counts as Decode having
+    registered, so the client gets Prefill's error rather than waiting out the rendezvous
+    timeout."""
+    backends.keeps_local_prefix = True
+    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    backends.prefill_mode = "error"
+    backends.rendezvous_gate.clear()
+    backends.decode_release.clear()
+    entered = _when_waiting_for_decode(proxy)
+    t, result = _in_thread(proxy, {"model": "m", "prompt": [3], "max_tokens": 1})
+    assert entered.wait(10)  # Prefill failed it; the proxy waits for Decode's rendezvous
+    backends.rendezvous_gate.set()
+    t.join(15)
+    r = result["r"]
+    assert r.status_code == 502 and "prefill exploded" in r.text, r.text
+    assert backends.decode_cancelled.wait(10)
+    assert proxy.records(2, timeout=10.0)[-1]["early"] is True
 
 
 def test_without_early_dispatch_prefill_waits_for_every_rendezvous(backends):

@@ -886,12 +886,14 @@ class DisaggProxy:
         if hit is None:
             return 404, {"error": f"unknown request_id {rdv.request_id!r}"}
         job, i = hit
+        if job.early is not None and job.parsed[i] is None:
+            # Decode registered it, also if the completion failed meanwhile: whoever waits
+            # to close Decode's call must learn it (_decode_registered).
+            return self._early_rendezvous(job, i, rdv)
         if job.failure.done():
             return 409, {"error": f"request_id {rdv.request_id!r}: the completion already "
                                   f"failed: {job.failure.result().message}"}
         self._learn_endpoint(job, rdv)
-        if job.early is not None and job.parsed[i] is None:
-            return self._early_rendezvous(job, i, rdv)
         if job.dispatched:
             if job.parsed[i] != rdv:
                 # Prefill already has the first one; changing it now would split the request
@@ -970,6 +972,10 @@ class DisaggProxy:
             self._admitted(job)
             assert job.registered is not None
             job.registered.set()
+        if job.failure.done():
+            return 409, {"error": f"request_id {rdv.request_id!r}: the completion already "
+                                  f"failed: {job.failure.result().message}"}
+        self._learn_endpoint(job, rdv)
         if _endpoint_of(rdv) != job.early or not rdv.keeps_local_prefix:
             message = (f"decode {job.decode} named endpoint {_endpoint_of(rdv)} for "
                        f"{rdv.request_id}, but prefill {job.prefill} was already sent "
