@@ -366,8 +366,12 @@ class Cluster:
                   "remote_tp_size": self.scope.d_tp,
                   "remote_engine_id": "decode-0", "do_remote_decode": True}
         if r.cached_tokens is not None:
-            params["remote_cached_tokens"] = 0 if self.scope.early_dispatch else r.cached_tokens
+            params["remote_cached_tokens"] = self._told_cached(r)
         return params
+
+    def _told_cached(self, r: RequestSpec) -> int:
+        """The cached tokens Prefill is told: none when dispatched early (C3)."""
+        return 0 if self.scope.early_dispatch else (r.cached_tokens or 0)
 
     def _own_blocks(self, i: int) -> int:
         """Decode's own prefix hit of request ``i``, in blocks (C5)."""
@@ -522,8 +526,7 @@ class Cluster:
             spec = self.scope.requests[i]
             # Blocks completed before this chunk (or cached on Decode, as far as Prefill was
             # told) are not rewritten.
-            told = 0 if self.scope.early_dispatch else (spec.cached_tokens or 0)
-            done = spec.chunks[step - 1] if step else told
+            done = spec.chunks[step - 1] if step else self._told_cached(spec)
             lo, hi = done // BLOCK_TOKENS, -(-tokens // BLOCK_TOKENS)
             for pos in range(lo, hi):
                 for t, nbytes in enumerate(self.tbytes):

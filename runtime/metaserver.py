@@ -140,11 +140,16 @@ def _str_field(obj: Mapping[str, Any], name: str, max_len: int) -> str:
     return value
 
 
-def _flag(obj: Mapping[str, Any], name: str, expected: bool, rule: str) -> bool:
-    # Missing means the expected value: some callers only send the keys that carry data.
-    value = obj.get(name, expected)
+def _bool_field(obj: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = obj.get(name, default)
     if not isinstance(value, bool):
         raise RendezvousError(name, f"expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _flag(obj: Mapping[str, Any], name: str, expected: bool, rule: str) -> bool:
+    # Missing means the expected value: some callers only send the keys that carry data.
+    value = _bool_field(obj, name, expected)
     if value is not expected:
         raise RendezvousError(name, f"must be {str(expected).lower()} in a rendezvous ({rule})")
     return value
@@ -219,10 +224,7 @@ class Rendezvous:
         cached = _int_field(obj, "remote_cached_tokens", 0, 0, 2**63 - 1)
         prefill = _flag(obj, "do_remote_prefill", False, "C1: Decode clears it")
         decode = _flag(obj, "do_remote_decode", True, "Prefill must push to Decode")
-        keeps = obj.get("keeps_local_prefix", False)
-        if not isinstance(keeps, bool):
-            raise RendezvousError("keeps_local_prefix",
-                                  f"expected a boolean, got {type(keeps).__name__}")
+        keeps = _bool_field(obj, "keeps_local_prefix", False)
         inst = object.__new__(cls)
         for name, value in (
             ("request_id", request_id),

@@ -609,10 +609,7 @@ def test_duplicate_and_conflicting_rendezvous_after_dispatch(backends, proxy):
     backends.decode_wait_s = 10.0
     # Decode holds its answer: once it answered, the proxy forgets the request (404)
     backends.decode_release.clear()
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(
-        r=complete(proxy, {"model": "m", "prompt": [5, 6], "max_tokens": 1})))
-    t.start()
+    t, result = _in_thread(proxy, {"model": "m", "prompt": [5, 6], "max_tokens": 1})
     assert backends.decode_arrived.wait(10)
     xrid = backends.decode_calls[0]["x_request_id"]
     rid = f"cmpl-{xrid}-0"
@@ -633,10 +630,7 @@ def test_duplicate_and_conflicting_rendezvous_after_dispatch(backends, proxy):
 def test_close_answers_in_flight_requests_within_its_deadline(backends):
     backends.decode_mode = "no_rendezvous"
     proxy = make_proxy(backends, rendezvous_timeout_s=60)
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(
-        r=complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1})))
-    t.start()
+    t, result = _in_thread(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1})
     assert backends.decode_arrived.wait(10)
     t0 = time.monotonic()
     proxy.close(timeout=5.0)

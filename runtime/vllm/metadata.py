@@ -33,7 +33,8 @@ class RecvRequest:
     indexer_block_ids: list[int]
     first_block: int  # positions before it were a local prefix hit, never written (C5)
     metaserver: str = ""  # where a failure to receive it is reported (C1's URL)
-    first_indexer_block: int = 0  # first_block in the indexer group's blocks
+    # first_block counted in the indexer group's blocks (main's when there is no indexer)
+    first_indexer_block: int = 0
 
 
 @dataclass

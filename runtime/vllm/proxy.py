@@ -891,8 +891,7 @@ class DisaggProxy:
             # to close Decode's call must learn it (_decode_registered).
             return self._early_rendezvous(job, i, rdv)
         if job.failure.done():
-            return 409, {"error": f"request_id {rdv.request_id!r}: the completion already "
-                                  f"failed: {job.failure.result().message}"}
+            return _already_failed(job, rdv)
         self._learn_endpoint(job, rdv)
         if job.dispatched:
             if job.parsed[i] != rdv:
@@ -910,10 +909,15 @@ class DisaggProxy:
         # Unknown keys travel on to Prefill (W4-style extension); the validated ones win.
         job.rendezvous[i] = {**raw, **rdv.to_json()}
         if all(p is not None for p in job.parsed):  # C3: every sub-request, then once
-            job.times["rendezvous"] = asyncio.get_running_loop().time()
-            self._admitted(job)
+            self._every_rendezvous_came(job)
             self._dispatch(job)
         return 200, {"status": "ok"}
+
+    def _every_rendezvous_came(self, job: _Job) -> None:
+        job.times["rendezvous"] = asyncio.get_running_loop().time()
+        self._admitted(job)
+        if job.registered is not None:
+            job.registered.set()
 
     def _admitted(self, job: _Job) -> None:
         """The completion no longer counts as awaiting its Decode's admission."""
@@ -945,13 +949,12 @@ class DisaggProxy:
         """C3, early: Prefill gets the completion now, with the endpoint this Decode named
         before and ``remote_cached_tokens: 0`` (it has not said its prefix hit yet; it
         keeps its own prefix whatever Prefill sends, C5)."""
-        known = self._endpoints.get(job.decode) if self.early_dispatch else None
-        if self._admitting[job.decode] > 1:
-            # That Decode has not yet admitted a completion sent before: it may be short of
-            # KV blocks, and a request it cannot admit would keep Prefill's READYs waiting
-            # (its slots, every later step) until destination_wait and then fail (C1),
-            # where Decode first just queues it.
-            known = None
+        # Not while that Decode has yet to admit a completion sent before: it may be short
+        # of KV blocks, and a request it cannot admit would keep Prefill's READYs waiting
+        # (its slots, every later step) until destination_wait and then fail (C1), where
+        # Decode first just queues it.
+        keeping_up = self._admitting[job.decode] <= 1  # this completion is counted too
+        known = self._endpoints.get(job.decode) if self.early_dispatch and keeping_up else None
         if known is None or loopback_across_hosts(str(known["remote_host"]), job.decode,
                                                   job.prefill) is not None:
             return
@@ -968,16 +971,13 @@ class DisaggProxy:
         Decode is not."""
         job.parsed[i] = rdv
         if all(p is not None for p in job.parsed):
-            job.times["rendezvous"] = asyncio.get_running_loop().time()
-            self._admitted(job)
-            assert job.registered is not None
-            job.registered.set()
+            self._every_rendezvous_came(job)
         if job.failure.done():
-            return 409, {"error": f"request_id {rdv.request_id!r}: the completion already "
-                                  f"failed: {job.failure.result().message}"}
+            return _already_failed(job, rdv)
         self._learn_endpoint(job, rdv)
-        if _endpoint_of(rdv) != job.early or not rdv.keeps_local_prefix:
-            message = (f"decode {job.decode} named endpoint {_endpoint_of(rdv)} for "
+        named = _endpoint_of(rdv)
+        if named != job.early or not rdv.keeps_local_prefix:
+            message = (f"decode {job.decode} named endpoint {named} for "
                        f"{rdv.request_id}, but prefill {job.prefill} was already sent "
                        f"{job.early} (early dispatch, C3) and a Decode that keeps its "
                        f"local prefix (C5: {rdv.keeps_local_prefix}): the Decode instance "
@@ -1194,6 +1194,11 @@ def _failure_report(body: Any) -> tuple[str, str, str]:
             raise ValueError(f"{name!r} must be a non-empty string")
         fields.append(value[:limit])
     return fields[0], fields[1], fields[2] or "an unnamed reporter"
+
+
+def _already_failed(job: _Job, rdv: Rendezvous) -> tuple[int, dict[str, Any]]:
+    return 409, {"error": f"request_id {rdv.request_id!r}: the completion already failed: "
+                          f"{job.failure.result().message}"}
 
 
 def _streaming_ok(call: asyncio.Future[Any]) -> bool:

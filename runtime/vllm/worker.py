@@ -678,12 +678,12 @@ class ConsumerWorker:
             # Without an indexer the core ignores indexer ids, but still range-checks an
             # entry's (empty) indexer slice at the chunk's start position: give it the
             # main positions, as legacy READYs do (W1 wire encoding).
-            has_indexer = self.cfg.indexer_kv_group is not None
-            indexer = recv.indexer_block_ids if has_indexer else recv.main_block_ids
+            indexer = (recv.indexer_block_ids if self.cfg.indexer_kv_group is not None
+                       else recv.main_block_ids)
             try:
                 self.worker.register_request(
                     recv.ext_id, recv.main_block_ids, indexer, own_main=recv.first_block,
-                    own_indexer=recv.first_indexer_block if has_indexer else recv.first_block)
+                    own_indexer=recv.first_indexer_block)
             except ProtocolError as exc:  # e.g. the same external id twice
                 self._unregistered[recv.req_id] = str(exc)
                 continue

@@ -235,10 +235,16 @@ class DecodeCore:
                 continue
             ready.read.missing = ready.read.missing - {ext_req_id}
             if not ready.read.missing:
-                self._stop_waiting(ready)
-                self._reads.fire(ready.read, "destinations_arrived")
-                actions += self._plan(ready, now)
+                actions += self._serve_waiting(ready, "destinations_arrived", now)
         return actions
+
+    def _serve_waiting(self, ready: ServedReady, event: str, now: float) -> list[Action]:
+        """A READY waits for destinations no more (``event``): plan it for the requests
+        that are registered; the others' entries are skipped (R5)."""
+        self._stop_waiting(ready)
+        ready.read.missing = frozenset()
+        self._reads.fire(ready.read, event)
+        return self._plan(ready, now)
 
     def abort_request(self, ext_req_id: str, reason: str, now: float) -> list[Action]:
         """Give up on a registered request now (vLLM aborted it, or its rendezvous could not
@@ -685,16 +691,13 @@ class DecodeCore:
                 if self._waiting.get(ready.seq) is not ready:
                     continue
                 missing = sorted(ready.read.missing)
-                self._stop_waiting(ready)
                 error = (f"C1: destinations of {', '.join(missing)} not registered within "
                          f"{self.destination_wait}s")
                 # Only the missing requests are at fault: they fail (on registration, if it
                 # ever comes, R5), and the READY is served for the others.
                 for ext in missing:
                     self._remember_failure(ext, error)
-                ready.read.missing = frozenset()
-                self._reads.fire(ready.read, "wait_expired")
-                actions += self._plan(ready, now)
+                actions += self._serve_waiting(ready, "wait_expired", now)
             else:
                 req = self.requests.get(str(what))
                 if req is not None and req.status.state == "registered" and \
