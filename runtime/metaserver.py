@@ -147,6 +147,17 @@ def _bool_field(obj: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+def _fraction_field(obj: Mapping[str, Any], name: str) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RendezvousError(name, f"expected a number, got {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise RendezvousError(name, f"{value} is outside 0..1")
+    return float(value)
+
+
 def _flag(obj: Mapping[str, Any], name: str, expected: bool, rule: str) -> bool:
     # Missing means the expected value: some callers only send the keys that carry data.
     value = _bool_field(obj, name, expected)
@@ -173,6 +184,10 @@ class Rendezvous:
     # so a proxy may dispatch to Prefill before this rendezvous arrives (C3). A rendezvous
     # carries it only when true, so one without it reads as before.
     keeps_local_prefix: bool = False
+    # C3: the share of this Decode's admission capacity (KV blocks, sequence slots) still
+    # free once this request was admitted; a proxy dispatches early only to a Decode with
+    # room to admit the next request at once. None: not said (sent only when known).
+    admission_headroom: float | None = None
 
     def __post_init__(self) -> None:
         # Constructing one in code goes through the same checks as one read off the wire,
@@ -191,7 +206,9 @@ class Rendezvous:
             "remote_pcp_size": self.remote_pcp_size,
             "remote_dcp_size": self.remote_dcp_size,
             "remote_cached_tokens": self.remote_cached_tokens,
-        } | ({"keeps_local_prefix": True} if self.keeps_local_prefix else {})
+        } | ({"keeps_local_prefix": True} if self.keeps_local_prefix else {}) | (
+            {} if self.admission_headroom is None
+            else {"admission_headroom": self.admission_headroom})
 
     @classmethod
     def from_json(cls, obj: object) -> Rendezvous:
@@ -225,6 +242,7 @@ class Rendezvous:
         prefill = _flag(obj, "do_remote_prefill", False, "C1: Decode clears it")
         decode = _flag(obj, "do_remote_decode", True, "Prefill must push to Decode")
         keeps = _bool_field(obj, "keeps_local_prefix", False)
+        headroom = _fraction_field(obj, "admission_headroom")
         inst = object.__new__(cls)
         for name, value in (
             ("request_id", request_id),
@@ -238,6 +256,7 @@ class Rendezvous:
             ("do_remote_prefill", prefill),
             ("do_remote_decode", decode),
             ("keeps_local_prefix", keeps),
+            ("admission_headroom", headroom),
         ):
             object.__setattr__(inst, name, value)
         return inst

@@ -108,9 +108,10 @@ RULES: tuple[Rule, ...] = (
     _r("C3", "A prompt list expands to sub-requests on Decode; the proxy dispatches the "
              "list to Prefill once: after every rendezvous came, or early, beside Decode, "
              "with the endpoint an earlier rendezvous of that Decode named and no cached "
-             "tokens, only to a Decode that keeps its local prefix (C5) and has posted the "
-             "rendezvous of every completion sent to it before; a rendezvous that then "
-             "names another endpoint fails the completion."),
+             "tokens, only to a Decode that keeps its local prefix (C5), has posted the "
+             "rendezvous of every completion sent to it before and whose latest rendezvous "
+             "left room to admit more (admission headroom); a rendezvous that then names "
+             "another endpoint fails the completion."),
     _r("C4", "Prefill sends READY only after the layer's scatter landed (device event); "
              "Decode validates, plans one batched read for all ready requests, and replies."),
     _r("C5", "Decode never writes the positions of its own local prefix hit: what a READY "

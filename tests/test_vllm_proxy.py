@@ -27,6 +27,9 @@ from sfa_rd2h.runtime.vllm.proxy import (  # noqa: E402
     prefill_params,
     split_prompt,
 )
+from sfa_rd2h.runtime.vllm.proxy import (  # noqa: E402
+    main as proxy_main,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,7 +94,7 @@ def test_single_prompt_flows_decode_first(backends, proxy):
     params = body["kv_transfer_params"]  # what Decode posted, and where to report a failure
     assert params == {**Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",
                                    remote_host="127.0.0.1", remote_port=20000,
-                                   remote_tp_size=1).to_json(),
+                                   remote_tp_size=1, admission_headroom=1.0).to_json(),
                       "metaserver": proxy.metaserver_url}
     assert len(proxy.records(1, timeout=10.0)) == 1  # written once Prefill's answer is in
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
@@ -286,6 +289,23 @@ def test_no_early_dispatch_while_that_decode_has_not_admitted_an_earlier_one(bac
     by_prompt = {rec["id"]: rec["early"] for rec in proxy.records()}
     calls = {c["body"]["prompt"][0]: f"cmpl-{c['x_request_id']}" for c in backends.prefill_calls}
     assert by_prompt[calls[3]] is True and by_prompt[calls[4]] is False
+
+
+def test_no_early_dispatch_once_decode_is_short_of_admission_headroom(backends, proxy):
+    """C3: a Decode whose latest rendezvous left less than ``early_headroom`` (0.1) of its
+    KV blocks or sequence slots free would queue the next request, and Prefill's READYs for
+    it would wait (holding Prefill's slots) until Decode admits it: the next completion
+    goes Decode first. A rendezvous that tells room again resumes early dispatch; one that
+    does not tell counts as no room."""
+    backends.keeps_local_prefix = True
+    for headroom in (0.05, 0.5, None, 0.5, 0.1):
+        backends.admission_headroom = headroom
+        r = complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert complete(proxy, {"model": "m", "prompt": [3], "max_tokens": 1}).status_code == 200
+    records = proxy.records(6, timeout=10.0)
+    # Each completion is dispatched by what the one before it told; 0.1 is enough.
+    assert [rec["early"] for rec in records] == [False, False, True, False, True, True]
 
 
 def test_an_early_dispatch_to_a_changed_decode_fails_that_completion_only(backends, proxy):
@@ -638,6 +658,13 @@ def test_close_answers_in_flight_requests_within_its_deadline(backends):
     t.join(5)
     assert result["r"].status_code == 503
     assert backends.decode_cancelled.wait(5.0)
+
+
+def test_early_headroom_must_be_a_share():
+    with pytest.raises(ValueError, match="early_headroom must lie in 0..1, got 1.5"):
+        DisaggProxy(["http://p"], ["http://d"], early_headroom=1.5)
+    with pytest.raises(SystemExit):
+        proxy_main(["--prefill", "http://p", "--decode", "http://d", "--early-headroom", "-1"])
 
 
 def test_wildcard_host_needs_an_advertised_address():

@@ -80,6 +80,7 @@ class Backends:
     post_internal_ids: bool = False  # post vLLM's internal ids (with the -<8 hex> suffix)
     cached_tokens: tuple[int, ...] = ()  # remote_cached_tokens per prompt (default 0)
     keeps_local_prefix: bool = False  # what the rendezvous says (C5): early dispatch
+    admission_headroom: float | None = 1.0  # what the rendezvous says (C3): early dispatch
     decode_port: int = 20000  # the base port the rendezvous names
     decode_wait_s: float = 10.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -214,7 +215,8 @@ class Backends:
                 rdv = Rendezvous(request_id=rid, remote_engine_id="d-engine",
                                  remote_host="127.0.0.1", remote_port=self.decode_port,
                                  remote_tp_size=1, remote_cached_tokens=cached,
-                                 keeps_local_prefix=self.keeps_local_prefix)
+                                 keeps_local_prefix=self.keeps_local_prefix,
+                                 admission_headroom=self.admission_headroom)
                 status = await asyncio.to_thread(post_rendezvous, params["metaserver"], rdv)
                 self.posted.append((rid, status))
         if self.decode_mode == "read_failed":

@@ -30,7 +30,9 @@ The D-first flow (C1, C3):
    ``remote_host``, ``remote_port`` (Decode's *base* port, P1/P2), ``remote_tp_size``,
    ``remote_pcp_size: 1``, ``remote_dcp_size: 1``, ``remote_cached_tokens`` (Decode's local
    prefix hit), ``keeps_local_prefix: true`` (whatever blocks Prefill names, Decode never
-   writes its own prefix hit, C5). No Decode block id ever leaves Decode.
+   writes its own prefix hit, C5), ``admission_headroom`` (the smaller of the shares of its
+   KV blocks and of its sequence slots still free once the request was admitted, C3). No
+   Decode block id ever leaves Decode.
 3. The proxy sends the same prompt (same ``X-Request-Id``, so both sides derive the same
    external id; for a prompt list the same order) to **Prefill** with that JSON as
    ``kv_transfer_params`` (it needs ``do_remote_decode: true``, ``remote_host``,
@@ -41,8 +43,9 @@ The D-first flow (C1, C3):
    some prompt's Decode side lacks. Prefill's response carries no RD2H
    ``kv_transfer_params``. Early dispatch: once a Decode's rendezvous said
    ``keeps_local_prefix``, a proxy may send Prefill later completions at the same time as
-   that Decode, with the endpoint it named and ``remote_cached_tokens: 0`` (C3); the
-   rendezvous still comes and must name the same endpoint.
+   that Decode, with the endpoint it named and ``remote_cached_tokens: 0`` (C3), while its
+   latest rendezvous told room to admit more; the rendezvous still comes and must name the
+   same endpoint.
 4. Prefill publishes each layer as its KV lands; Decode pulls it, and the request leaves
    ``WAITING_FOR_REMOTE_KVS`` once every Prefill contributor finished and every Decode TP
    rank agreed (R1). Decode then streams the completion. Prefill frees the request's

@@ -77,7 +77,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
             if self.cfg.is_producer:
                 self.producer_scheduler = ProducerScheduler(self.cfg, block_sizes)
             else:
-                self.consumer_scheduler = ConsumerScheduler(self.cfg, block_sizes)
+                self.consumer_scheduler = ConsumerScheduler(
+                    self.cfg, block_sizes, vllm_config.scheduler_config.max_num_seqs)
         elif self.cfg.is_producer:
             self.producer_worker = ProducerWorker(self.cfg, kv_cache_config, block_size)
         else:
@@ -86,8 +87,9 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
     # ================================================================== scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self.producer_scheduler is not None:
-            self.producer_scheduler.kv_cache_manager = kv_cache_manager
+        for half in (self.producer_scheduler, self.consumer_scheduler):
+            if half is not None:
+                half.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -20,7 +20,9 @@ sends (C5). Once such a rendezvous came from an instance, the proxy sends each l
 completion to Prefill at the same time as to that Decode, with the endpoint it learned and
 ``remote_cached_tokens: 0``, so Decode's admission no longer runs before Prefill's. Only
 while that Decode keeps up: with the rendezvous of an earlier completion still outstanding
-there (it may be short of KV blocks and queueing), a completion goes Decode first. The
+there (it may be short of KV blocks and queueing), or once its latest rendezvous said it
+had less than ``early_headroom`` of its KV blocks or sequence slots free
+(``admission_headroom``), a completion goes Decode first. The
 rendezvous still comes, and must name the same endpoint and still keep its prefix: one
 that does not (a Decode restarted elsewhere, or replaced by a build without C5) fails that
 completion, and the next is dispatched by what it named.
@@ -310,11 +312,14 @@ class DisaggProxy:
         max_body: int = MAX_BODY_BYTES,
         token: str | None = None,
         early_dispatch: bool = True,
+        early_headroom: float = 0.1,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("at least one Prefill and one Decode server are required")
         if rendezvous_timeout_s <= 0 or request_timeout_s <= 0 or prefill_retries < 0:
             raise ValueError("timeouts must be > 0 and prefill_retries >= 0")
+        if not 0.0 <= early_headroom <= 1.0:
+            raise ValueError(f"early_headroom must lie in 0..1, got {early_headroom}")
         shown = advertise_host or host
         try:
             wildcard = ipaddress.ip_address(shown).is_unspecified
@@ -333,9 +338,13 @@ class DisaggProxy:
         self.prefill_retries = prefill_retries
         self.max_body = max_body
         self.early_dispatch = early_dispatch
+        self.early_headroom = early_headroom
         # Per Decode URL: the endpoint its latest rendezvous named, if it said
         # keeps_local_prefix (C5); what an early dispatch sends Prefill.
         self._endpoints: dict[str, dict[str, Any]] = {}
+        # Per Decode URL: the admission headroom its latest rendezvous told (C3); early
+        # dispatch only while it is at least early_headroom.
+        self._headroom: dict[str, float] = {}
         # Per Decode URL: completions sent there whose rendezvous have not all come (its
         # admissions in progress); early dispatch only while it has none but the new one.
         self._admitting: collections.Counter[str] = collections.Counter()
@@ -939,21 +948,25 @@ class DisaggProxy:
 
     def _learn_endpoint(self, job: _Job, rdv: Rendezvous) -> None:
         """Remember the endpoint of a Decode that keeps its local prefix (C5), for the
-        completions dispatched early to it; forget it once a rendezvous does not say so."""
-        if rdv.keeps_local_prefix:
-            self._endpoints[job.decode] = _endpoint_of(rdv)
-        else:
-            self._endpoints.pop(job.decode, None)
+        completions dispatched early to it, and the admission headroom it told; forget
+        either once a rendezvous does not say it."""
+        for known, value in ((self._endpoints, _endpoint_of(rdv) if rdv.keeps_local_prefix
+                              else None), (self._headroom, rdv.admission_headroom)):
+            if value is None:
+                known.pop(job.decode, None)
+            else:
+                known[job.decode] = value
 
     def _dispatch_early(self, job: _Job) -> None:
         """C3, early: Prefill gets the completion now, with the endpoint this Decode named
         before and ``remote_cached_tokens: 0`` (it has not said its prefix hit yet; it
         keeps its own prefix whatever Prefill sends, C5)."""
-        # Not while that Decode has yet to admit a completion sent before: it may be short
-        # of KV blocks, and a request it cannot admit would keep Prefill's READYs waiting
-        # (its slots, every later step) until destination_wait and then fail (C1), where
-        # Decode first just queues it.
-        keeping_up = self._admitting[job.decode] <= 1  # this completion is counted too
+        # Not while that Decode has yet to admit a completion sent before, nor once its
+        # latest admission left it short of KV blocks or sequence slots: a request it
+        # cannot admit at once would keep Prefill's READYs waiting (its slots, every later
+        # step) until destination_wait and then fail (C1), where Decode first just queues it.
+        keeping_up = (self._admitting[job.decode] <= 1  # this completion is counted too
+                      and self._headroom.get(job.decode, -1.0) >= self.early_headroom)
         known = self._endpoints.get(job.decode) if self.early_dispatch and keeping_up else None
         if known is None or loopback_across_hosts(str(known["remote_host"]), job.decode,
                                                   job.prefill) is not None:
@@ -1236,10 +1249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-early-dispatch", action="store_true",
                         help="send Prefill each completion only once Decode's rendezvous "
                              "came, never with the endpoint learned from earlier ones")
+    parser.add_argument("--early-headroom", type=float, default=0.1, metavar="F",
+                        help="early dispatch to a Decode only while its latest rendezvous "
+                             "left at least this share of its KV blocks and sequence slots "
+                             "free (default 0.1)")
     parser.add_argument("--token-file", default=None,
                         help="a file holding the bearer token every caller but /health must "
                              f"send (default: ${TOKEN_ENV}, else none)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.early_headroom <= 1.0:
+        parser.error(f"--early-headroom {args.early_headroom}: must lie in 0..1")
     token = None
     if args.token_file is not None:
         try:
@@ -1254,7 +1273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         advertise_host=args.advertise_host,
                         rendezvous_timeout_s=args.rendezvous_timeout,
                         request_timeout_s=args.request_timeout, token=token,
-                        early_dispatch=not args.no_early_dispatch)
+                        early_dispatch=not args.no_early_dispatch,
+                        early_headroom=args.early_headroom)
     # Leave the start-up heap (imports: about 60k objects) out of every later collection,
     # as vLLM's servers do: a full collection holds every stream in flight while it walks.
     gc.collect()

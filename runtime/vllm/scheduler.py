@@ -129,8 +129,14 @@ class RendezvousPoster:
 class ConsumerScheduler:
     """Decode's scheduler half (C1)."""
 
-    def __init__(self, cfg: Rd2hConfig, block_sizes: Sequence[int]) -> None:
+    def __init__(self, cfg: Rd2hConfig, block_sizes: Sequence[int],
+                 max_num_seqs: int | None = None) -> None:
         self.cfg = cfg
+        self.kv_cache_manager: KVCacheManager | None = None
+        self.max_num_seqs = max_num_seqs
+        # Every request vLLM allocated blocks for and has not finished, remote or not:
+        # what holds a sequence slot (the admission headroom a rendezvous tells, C3).
+        self._admitted: set[str] = set()
         self.block_size = block_sizes[cfg.main_kv_group]
         self.indexer_block_size = (block_sizes[cfg.indexer_kv_group]
                                    if cfg.indexer_kv_group is not None else self.block_size)
@@ -161,6 +167,7 @@ class ConsumerScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """C1: record the destinations, post the rendezvous once, clear the flag."""
+        self._admitted.add(request.request_id)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -189,8 +196,21 @@ class ConsumerScheduler:
         rendezvous = Rendezvous(
             request_id=ext, remote_engine_id=self.cfg.engine_id, remote_host=self.cfg.host,
             remote_port=self.cfg.base_port, remote_tp_size=self.cfg.mapping.d_tp,
-            remote_cached_tokens=local_hit, keeps_local_prefix=True)
+            remote_cached_tokens=local_hit, keeps_local_prefix=True,
+            admission_headroom=self.admission_headroom())
         self.poster.submit(req_id, url, rendezvous)
+
+    def admission_headroom(self) -> float | None:
+        """The share of this Decode's KV blocks and of its sequence slots still free, the
+        smaller of the two (None before vLLM bound its KV cache manager). Short of either,
+        vLLM queues the next request instead of admitting it, and a completion dispatched
+        early would hold Prefill's READYs meanwhile (C1, C3)."""
+        if self.kv_cache_manager is None:
+            return None
+        free = 1.0 - self.kv_cache_manager.usage
+        if self.max_num_seqs:
+            free = min(free, 1.0 - len(self._admitted) / self.max_num_seqs)
+        return round(min(max(free, 0.0), 1.0), 4)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Rd2hMetadata:
         for req_id, error in self.poster.take_failures().items():
@@ -213,6 +233,7 @@ class ConsumerScheduler:
         reports it in ``finished_recving`` (no read writes into them any more, R5)."""
         req_id = request.request_id
         self._local_hit.pop(req_id, None)
+        self._admitted.discard(req_id)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
             # Ended before its blocks were allocated (a client gone while it waited): it
