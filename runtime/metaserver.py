@@ -184,10 +184,11 @@ class Rendezvous:
     # so a proxy may dispatch to Prefill before this rendezvous arrives (C3). A rendezvous
     # carries it only when true, so one without it reads as before.
     keeps_local_prefix: bool = False
-    # C3: the share of this Decode's admission capacity (KV blocks, sequence slots) still
-    # free once this request was admitted; a proxy dispatches early only to a Decode with
-    # room to admit the next request at once. None: not said (sent only when known).
-    admission_headroom: float | None = None
+    # C3: this Decode's room once this request was admitted - the share of its KV blocks
+    # still free and its free sequence slots - so a proxy dispatches early only to a Decode
+    # that can admit the next request at once. None: not said (sent only when known).
+    free_kv_share: float | None = None
+    free_seq_slots: int | None = None
 
     def __post_init__(self) -> None:
         # Constructing one in code goes through the same checks as one read off the wire,
@@ -206,9 +207,10 @@ class Rendezvous:
             "remote_pcp_size": self.remote_pcp_size,
             "remote_dcp_size": self.remote_dcp_size,
             "remote_cached_tokens": self.remote_cached_tokens,
-        } | ({"keeps_local_prefix": True} if self.keeps_local_prefix else {}) | (
-            {} if self.admission_headroom is None
-            else {"admission_headroom": self.admission_headroom})
+        } | ({"keeps_local_prefix": True} if self.keeps_local_prefix else {}) | {
+            name: value for name, value in (("free_kv_share", self.free_kv_share),
+                                            ("free_seq_slots", self.free_seq_slots))
+            if value is not None}
 
     @classmethod
     def from_json(cls, obj: object) -> Rendezvous:
@@ -242,7 +244,9 @@ class Rendezvous:
         prefill = _flag(obj, "do_remote_prefill", False, "C1: Decode clears it")
         decode = _flag(obj, "do_remote_decode", True, "Prefill must push to Decode")
         keeps = _bool_field(obj, "keeps_local_prefix", False)
-        headroom = _fraction_field(obj, "admission_headroom")
+        free_kv = _fraction_field(obj, "free_kv_share")
+        free_seqs = (None if obj.get("free_seq_slots") is None
+                     else _int_field(obj, "free_seq_slots", None, 0, 2**31 - 1))
         inst = object.__new__(cls)
         for name, value in (
             ("request_id", request_id),
@@ -256,7 +260,8 @@ class Rendezvous:
             ("do_remote_prefill", prefill),
             ("do_remote_decode", decode),
             ("keeps_local_prefix", keeps),
-            ("admission_headroom", headroom),
+            ("free_kv_share", free_kv),
+            ("free_seq_slots", free_seqs),
         ):
             object.__setattr__(inst, name, value)
         return inst

@@ -109,9 +109,9 @@ RULES: tuple[Rule, ...] = (
              "list to Prefill once: after every rendezvous came, or early, beside Decode, "
              "with the endpoint an earlier rendezvous of that Decode named and no cached "
              "tokens, only to a Decode that keeps its local prefix (C5), has posted the "
-             "rendezvous of every completion sent to it before and whose latest rendezvous "
-             "left room to admit more (admission headroom); a rendezvous that then names "
-             "another endpoint fails the completion."),
+             "rendezvous of every completion sent to it before and has room to admit it at "
+             "once (free KV blocks and sequence slots, as its latest rendezvous told them); "
+             "a rendezvous that then names another endpoint fails the completion."),
     _r("C4", "Prefill sends READY only after the layer's scatter landed (device event); "
              "Decode validates, plans one batched read for all ready requests, and replies."),
     _r("C5", "Decode never writes the positions of its own local prefix hit: what a READY "

@@ -120,18 +120,22 @@ def test_a_decode_that_keeps_its_prefix_says_so_and_only_then() -> None:  # C5, 
         Rendezvous.from_json(_rdv("req-1").to_json() | {"keeps_local_prefix": "yes"})
 
 
-def test_admission_headroom_is_a_share_said_only_when_known() -> None:  # C3
-    told = _rdv("req-1", admission_headroom=0.25)
-    assert told.to_json() == _rdv("req-1").to_json() | {"admission_headroom": 0.25}
+def test_decode_room_is_said_only_when_known() -> None:  # C3
+    told = _rdv("req-1", free_kv_share=0.25, free_seq_slots=3)
+    assert told.to_json() == _rdv("req-1").to_json() | {"free_kv_share": 0.25,
+                                                       "free_seq_slots": 3}
     assert Rendezvous.from_json(json.loads(json.dumps(told.to_json()))) == told
-    assert _rdv("req-1").admission_headroom is None
-    assert Rendezvous.from_json(_rdv("req-1").to_json() | {"admission_headroom": 1}) \
-        .admission_headroom == 1.0
-    for bad, why in ((1.5, "1.5 is outside 0..1"), (float("nan"), "nan is outside 0..1"),
-                     (True, "expected a number, got bool"),
-                     ("0.5", "expected a number, got str")):
-        with pytest.raises(RendezvousError, match=f"'admission_headroom': {why}"):
-            Rendezvous.from_json(_rdv("req-1").to_json() | {"admission_headroom": bad})
+    assert (_rdv("req-1").free_kv_share, _rdv("req-1").free_seq_slots) == (None, None)
+    assert Rendezvous.from_json(_rdv("req-1").to_json() | {"free_kv_share": 1}) \
+        .free_kv_share == 1.0
+    for name, bad, why in (("free_kv_share", 1.5, "1.5 is outside 0..1"),
+                           ("free_kv_share", float("nan"), "nan is outside 0..1"),
+                           ("free_kv_share", True, "expected a number, got bool"),
+                           ("free_kv_share", "0.5", "expected a number, got str"),
+                           ("free_seq_slots", -1, "-1 is outside 0..2147483647"),
+                           ("free_seq_slots", 2.0, "expected an integer, got float")):
+        with pytest.raises(RendezvousError, match=f"'{name}': {why}"):
+            Rendezvous.from_json(_rdv("req-1").to_json() | {name: bad})
 
 
 @pytest.mark.parametrize("value", ["absent", None])

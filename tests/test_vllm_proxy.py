@@ -94,7 +94,8 @@ def test_single_prompt_flows_decode_first(backends, proxy):
     params = body["kv_transfer_params"]  # what Decode posted, and where to report a failure
     assert params == {**Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",
                                    remote_host="127.0.0.1", remote_port=20000,
-                                   remote_tp_size=1, admission_headroom=1.0).to_json(),
+                                   remote_tp_size=1, free_kv_share=1.0,
+                                   free_seq_slots=16).to_json(),
                       "metaserver": proxy.metaserver_url}
     assert len(proxy.records(1, timeout=10.0)) == 1  # written once Prefill's answer is in
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
@@ -291,21 +292,43 @@ def test_no_early_dispatch_while_that_decode_has_not_admitted_an_earlier_one(bac
     assert by_prompt[calls[3]] is True and by_prompt[calls[4]] is False
 
 
-def test_no_early_dispatch_once_decode_is_short_of_admission_headroom(backends, proxy):
-    """C3: a Decode whose latest rendezvous left less than ``early_headroom`` (0.1) of its
-    KV blocks or sequence slots free would queue the next request, and Prefill's READYs for
-    it would wait (holding Prefill's slots) until Decode admits it: the next completion
-    goes Decode first. A rendezvous that tells room again resumes early dispatch; one that
-    does not tell counts as no room."""
+def test_early_dispatch_only_while_decode_has_room(backends, proxy):
+    """C3: a Decode short of KV blocks (under ``early_headroom``, 0.1, of them free) or of
+    sequence slots would queue the next request, and Prefill's READYs for it would wait
+    (holding Prefill's slots) until Decode admits it: that completion goes Decode first.
+    The slots a rendezvous told are counted up again as completions there end; a
+    rendezvous that tells no room at all counts as none."""
     backends.keeps_local_prefix = True
-    for headroom in (0.05, 0.5, None, 0.5, 0.1):
-        backends.admission_headroom = headroom
-        r = complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1})
+
+    def send(first: int, kv: float | None, slots: int | None) -> None:
+        backends.free_kv_share, backends.free_seq_slots = kv, slots
+        r = complete(proxy, {"model": "m", "prompt": [first, 2], "max_tokens": 1})
         assert r.status_code == 200, r.text
-    assert complete(proxy, {"model": "m", "prompt": [3], "max_tokens": 1}).status_code == 200
-    records = proxy.records(6, timeout=10.0)
-    # Each completion is dispatched by what the one before it told; 0.1 is enough.
-    assert [rec["early"] for rec in records] == [False, False, True, False, True, True]
+
+    send(1, 0.05, 16)  # Decode first: no endpoint known yet
+    send(2, 0.5, 1)  # Decode first: 5% of the KV blocks free
+    send(3, 0.5, 0)  # early: 1 slot told, and #2 has ended since (2 free)
+    send(4, None, 16)  # early: #3 ended, its slot is free again
+    send(5, 0.5, 16)  # Decode first: #4's rendezvous told nothing
+    # #5 told one slot left; a completion still open there takes it (its rendezvous says
+    # none left), so the next one goes Decode first
+    backends.free_seq_slots = 0
+    backends.decode_release.clear()
+    held, held_result = _in_thread(proxy, {"model": "m", "prompt": [6, 2], "max_tokens": 1})
+    assert backends.wait_posted(6, 10)  # #6's rendezvous has told no slot left
+    backends.free_seq_slots = 16
+    backends.decode_arrived.clear()
+    last, last_result = _in_thread(proxy, {"model": "m", "prompt": [7, 2], "max_tokens": 1})
+    assert backends.decode_arrived.wait(10)  # #7's dispatch was decided before this
+    backends.decode_release.set()
+    for t, result in ((held, held_result), (last, last_result)):
+        t.join(15)
+        assert result["r"].status_code == 200, result["r"].text
+    assert proxy.wait_idle(10.0)
+    early = {rec["id"]: rec["early"] for rec in proxy.records()}
+    by_prompt = {c["body"]["prompt"][0]: early[f"cmpl-{c['x_request_id']}"]
+                 for c in backends.prefill_calls}
+    assert by_prompt == {1: False, 2: False, 3: True, 4: True, 5: False, 6: True, 7: False}
 
 
 def test_an_early_dispatch_to_a_changed_decode_fails_that_completion_only(backends, proxy):

@@ -975,17 +975,18 @@ def test_stats_aggregate_and_reduce():
     assert merged.is_empty() and Rd2hStats().is_empty()
 
 
-def test_rendezvous_tells_the_admission_headroom(pair, metaserver):
-    # C3: each rendezvous says how much of Decode's admission capacity is left once the
-    # request is admitted: the smaller of its free KV blocks' share and its free sequence
-    # slots' share (max_num_seqs is 16 here), so a proxy stops dispatching early before
-    # Decode would queue a request whose READYs would then hold Prefill.
+def test_rendezvous_tells_decode_room(pair, metaserver):
+    # C3: each rendezvous says what room Decode has left once the request was admitted:
+    # the share of its KV blocks still free and its free sequence slots (max_num_seqs is
+    # 16 here; every request holding blocks takes one, a remote one whose KV is still
+    # arriving included), so a proxy stops dispatching early before Decode would queue a
+    # request whose READYs would then hold Prefill.
     _, d = pair()
     start_decode(d, "cmpl-big-0-aaaaaaaa", 300, metaserver)
     d.step()
-    kv_free = 1 - d.sched.kv_cache_manager.usage
     rdv = rendezvous_for(metaserver, "cmpl-big-0", 1)
-    assert rdv["admission_headroom"] == round(kv_free, 4) < 1 - 1 / 16  # the blocks bind
+    assert rdv["free_kv_share"] == round(1 - d.sched.kv_cache_manager.usage, 4) < 1
+    assert rdv["free_seq_slots"] == 15
     local = [make_request(f"cmpl-l{i}-0-llllllll", 4, None, max_tokens=40) for i in range(10)]
     for req in local:
         d.sched.add_request(req)
@@ -993,14 +994,13 @@ def test_rendezvous_tells_the_admission_headroom(pair, metaserver):
     start_decode(d, "cmpl-next-0-bbbbbbbb", 20, metaserver)
     d.step()
     rdv = rendezvous_for(metaserver, "cmpl-next-0", 2)
-    # 12 of 16 slots taken (the big one holds its blocks while its KV arrives)
-    assert rdv["admission_headroom"] == 1 - 12 / 16 < 1 - d.sched.kv_cache_manager.usage
+    assert rdv["free_seq_slots"] == 16 - 12
+    assert rdv["free_kv_share"] == round(1 - d.sched.kv_cache_manager.usage, 4)
     for req in local:
         d.sched.finish_requests(req.request_id, ABORTED)
     start_decode(d, "cmpl-last-0-cccccccc", 20, metaserver)
     d.step()
-    rdv = rendezvous_for(metaserver, "cmpl-last-0", 3)
-    assert rdv["admission_headroom"] == round(1 - d.sched.kv_cache_manager.usage, 4)
+    assert rendezvous_for(metaserver, "cmpl-last-0", 3)["free_seq_slots"] == 16 - 3
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["after-rendezvous", "early"])

@@ -80,7 +80,9 @@ class Backends:
     post_internal_ids: bool = False  # post vLLM's internal ids (with the -<8 hex> suffix)
     cached_tokens: tuple[int, ...] = ()  # remote_cached_tokens per prompt (default 0)
     keeps_local_prefix: bool = False  # what the rendezvous says (C5): early dispatch
-    admission_headroom: float | None = 1.0  # what the rendezvous says (C3): early dispatch
+    # the room the rendezvous tells (C3): early dispatch needs both
+    free_kv_share: float | None = 1.0
+    free_seq_slots: int | None = 16
     decode_port: int = 20000  # the base port the rendezvous names
     decode_wait_s: float = 10.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -88,6 +90,7 @@ class Backends:
     decode_calls: list[dict[str, Any]] = field(default_factory=list)
     prefill_calls: list[dict[str, Any]] = field(default_factory=list)
     posted: list[tuple[str, int]] = field(default_factory=list)  # (request_id, status)
+    posted_cond: threading.Condition = field(default_factory=threading.Condition)
     posts_started: int = 0
     decode_cancelled: threading.Event = field(default_factory=threading.Event)
     decode_arrived: threading.Event = field(default_factory=threading.Event)
@@ -112,6 +115,11 @@ class Backends:
     prefill: AppServer | None = None
     reporter: FailureReporter = field(
         default_factory=lambda: FailureReporter("fake prefill", timeout=5.0))
+
+    def wait_posted(self, n: int, timeout: float) -> bool:
+        """Until the fake Decode has posted ``n`` rendezvous (and had each answered)."""
+        with self.posted_cond:
+            return self.posted_cond.wait_for(lambda: len(self.posted) >= n, timeout)
 
     def event(self, request_id: str) -> threading.Event:
         with self.lock:
@@ -216,9 +224,12 @@ class Backends:
                                  remote_host="127.0.0.1", remote_port=self.decode_port,
                                  remote_tp_size=1, remote_cached_tokens=cached,
                                  keeps_local_prefix=self.keeps_local_prefix,
-                                 admission_headroom=self.admission_headroom)
+                                 free_kv_share=self.free_kv_share,
+                                 free_seq_slots=self.free_seq_slots)
                 status = await asyncio.to_thread(post_rendezvous, params["metaserver"], rdv)
-                self.posted.append((rid, status))
+                with self.posted_cond:
+                    self.posted.append((rid, status))
+                    self.posted_cond.notify_all()
         if self.decode_mode == "read_failed":
             # The connector's report races vLLM's own answer, as on a real Decode.
             self.reporter.report(params["metaserver"], ids[0], "Decode rank 0 could not "

@@ -30,9 +30,8 @@ The D-first flow (C1, C3):
    ``remote_host``, ``remote_port`` (Decode's *base* port, P1/P2), ``remote_tp_size``,
    ``remote_pcp_size: 1``, ``remote_dcp_size: 1``, ``remote_cached_tokens`` (Decode's local
    prefix hit), ``keeps_local_prefix: true`` (whatever blocks Prefill names, Decode never
-   writes its own prefix hit, C5), ``admission_headroom`` (the smaller of the shares of its
-   KV blocks and of its sequence slots still free once the request was admitted, C3). No
-   Decode block id ever leaves Decode.
+   writes its own prefix hit, C5), ``free_kv_share`` and ``free_seq_slots`` (the room it has
+   left once the request was admitted, C3). No Decode block id ever leaves Decode.
 3. The proxy sends the same prompt (same ``X-Request-Id``, so both sides derive the same
    external id; for a prompt list the same order) to **Prefill** with that JSON as
    ``kv_transfer_params`` (it needs ``do_remote_decode: true``, ``remote_host``,
@@ -44,7 +43,7 @@ The D-first flow (C1, C3):
    ``kv_transfer_params``. Early dispatch: once a Decode's rendezvous said
    ``keeps_local_prefix``, a proxy may send Prefill later completions at the same time as
    that Decode, with the endpoint it named and ``remote_cached_tokens: 0`` (C3), while its
-   latest rendezvous told room to admit more; the rendezvous still comes and must name the
+   rendezvous told room to admit it at once; the rendezvous still comes and must name the
    same endpoint.
 4. Prefill publishes each layer as its KV lands; Decode pulls it, and the request leaves
    ``WAITING_FOR_REMOTE_KVS`` once every Prefill contributor finished and every Decode TP

@@ -20,9 +20,10 @@ sends (C5). Once such a rendezvous came from an instance, the proxy sends each l
 completion to Prefill at the same time as to that Decode, with the endpoint it learned and
 ``remote_cached_tokens: 0``, so Decode's admission no longer runs before Prefill's. Only
 while that Decode keeps up: with the rendezvous of an earlier completion still outstanding
-there (it may be short of KV blocks and queueing), or once its latest rendezvous said it
-had less than ``early_headroom`` of its KV blocks or sequence slots free
-(``admission_headroom``), a completion goes Decode first. The
+there (it may be short of KV blocks and queueing), or while its latest rendezvous
+(``free_kv_share``, ``free_seq_slots``) and the completions ended there since leave less
+than ``early_headroom`` of its KV blocks or fewer sequence slots than the completion has
+prompts, a completion goes Decode first. The
 rendezvous still comes, and must name the same endpoint and still keep its prefix: one
 that does not (a Decode restarted elsewhere, or replaced by a build without C5) fails that
 completion, and the next is dispatched by what it named.
@@ -197,6 +198,7 @@ class _Job:
     early: dict[str, Any] | None = None  # the endpoint Prefill was sent before a rendezvous
     registered: asyncio.Event | None = None  # early: set once every rendezvous came
     admitting: bool = False  # counted among its Decode's completions awaiting a rendezvous
+    released: bool = False  # its sequence slots counted free again on its Decode (C3)
     prefill_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     reaper: asyncio.TimerHandle | None = None
@@ -342,9 +344,10 @@ class DisaggProxy:
         # Per Decode URL: the endpoint its latest rendezvous named, if it said
         # keeps_local_prefix (C5); what an early dispatch sends Prefill.
         self._endpoints: dict[str, dict[str, Any]] = {}
-        # Per Decode URL: the admission headroom its latest rendezvous told (C3); early
-        # dispatch only while it is at least early_headroom.
-        self._headroom: dict[str, float] = {}
+        # Per Decode URL: the room its latest rendezvous told (C3) - [share of KV blocks
+        # free, sequence slots free] - the slots counted up again as completions sent
+        # there end; early dispatch only while there is room for the new one.
+        self._room: dict[str, list[Any]] = {}
         # Per Decode URL: completions sent there whose rendezvous have not all come (its
         # admissions in progress); early dispatch only while it has none but the new one.
         self._admitting: collections.Counter[str] = collections.Counter()
@@ -853,6 +856,12 @@ class DisaggProxy:
         if job.timer is not None:
             job.timer.cancel()
         job.outcome = outcome
+        room = self._room.get(job.decode)
+        if room is not None and not job.admitting and not job.released:
+            # Decode's answer has ended (or was given up): the sequence slots its
+            # sub-requests held there are free again, also if told before they ended.
+            job.released = True
+            room[1] += len(job.prompts)
         pending = [t for t in job.prefill_tasks if not t.done()]
         if cancel_prefill:
             for task in pending:
@@ -948,14 +957,24 @@ class DisaggProxy:
 
     def _learn_endpoint(self, job: _Job, rdv: Rendezvous) -> None:
         """Remember the endpoint of a Decode that keeps its local prefix (C5), for the
-        completions dispatched early to it, and the admission headroom it told; forget
-        either once a rendezvous does not say it."""
+        completions dispatched early to it, and the room it told; forget either once a
+        rendezvous does not say it."""
+        told = (None if rdv.free_kv_share is None or rdv.free_seq_slots is None
+                else [rdv.free_kv_share, rdv.free_seq_slots])
         for known, value in ((self._endpoints, _endpoint_of(rdv) if rdv.keeps_local_prefix
-                              else None), (self._headroom, rdv.admission_headroom)):
+                              else None), (self._room, told)):
             if value is None:
                 known.pop(job.decode, None)
             else:
                 known[job.decode] = value
+
+    def _has_room(self, job: _Job) -> bool:
+        """Decode can admit this completion at once, as far as its latest rendezvous and
+        the completions ended there since tell: at least ``early_headroom`` of its KV
+        blocks free and a sequence slot per prompt."""
+        room = self._room.get(job.decode)
+        return (room is not None and room[0] >= self.early_headroom
+                and room[1] >= len(job.prompts))
 
     def _dispatch_early(self, job: _Job) -> None:
         """C3, early: Prefill gets the completion now, with the endpoint this Decode named
@@ -965,8 +984,7 @@ class DisaggProxy:
         # latest admission left it short of KV blocks or sequence slots: a request it
         # cannot admit at once would keep Prefill's READYs waiting (its slots, every later
         # step) until destination_wait and then fail (C1), where Decode first just queues it.
-        keeping_up = (self._admitting[job.decode] <= 1  # this completion is counted too
-                      and self._headroom.get(job.decode, -1.0) >= self.early_headroom)
+        keeping_up = self._admitting[job.decode] <= 1 and self._has_room(job)  # counted too
         known = self._endpoints.get(job.decode) if self.early_dispatch and keeping_up else None
         if known is None or loopback_across_hosts(str(known["remote_host"]), job.decode,
                                                   job.prefill) is not None:
@@ -1251,8 +1269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "came, never with the endpoint learned from earlier ones")
     parser.add_argument("--early-headroom", type=float, default=0.1, metavar="F",
                         help="early dispatch to a Decode only while its latest rendezvous "
-                             "left at least this share of its KV blocks and sequence slots "
-                             "free (default 0.1)")
+                             "left at least this share of its KV blocks free, and a sequence "
+                             "slot for each prompt (default 0.1)")
     parser.add_argument("--token-file", default=None,
                         help="a file holding the bearer token every caller but /health must "
                              f"send (default: ${TOKEN_ENV}, else none)")

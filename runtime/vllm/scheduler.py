@@ -197,20 +197,25 @@ class ConsumerScheduler:
             request_id=ext, remote_engine_id=self.cfg.engine_id, remote_host=self.cfg.host,
             remote_port=self.cfg.base_port, remote_tp_size=self.cfg.mapping.d_tp,
             remote_cached_tokens=local_hit, keeps_local_prefix=True,
-            admission_headroom=self.admission_headroom())
+            free_kv_share=self.free_kv_share(), free_seq_slots=self.free_seq_slots())
         self.poster.submit(req_id, url, rendezvous)
 
-    def admission_headroom(self) -> float | None:
-        """The share of this Decode's KV blocks and of its sequence slots still free, the
-        smaller of the two (None before vLLM bound its KV cache manager). Short of either,
-        vLLM queues the next request instead of admitting it, and a completion dispatched
-        early would hold Prefill's READYs meanwhile (C1, C3)."""
+    # Short of KV blocks or of sequence slots, vLLM queues the next request instead of
+    # admitting it, and a completion dispatched early would hold Prefill's READYs meanwhile
+    # (C1, C3): each rendezvous tells both, as they are once its request was admitted.
+    def free_kv_share(self) -> float | None:
+        """The share of this Decode's KV blocks still free (None before vLLM bound its KV
+        cache manager)."""
         if self.kv_cache_manager is None:
             return None
-        free = 1.0 - self.kv_cache_manager.usage
-        if self.max_num_seqs:
-            free = min(free, 1.0 - len(self._admitted) / self.max_num_seqs)
-        return round(min(max(free, 0.0), 1.0), 4)
+        return round(min(max(1.0 - self.kv_cache_manager.usage, 0.0), 1.0), 4)
+
+    def free_seq_slots(self) -> int | None:
+        """Sequence slots (``max_num_seqs``) not held by a request vLLM allocated blocks for
+        and has not finished."""
+        if not self.max_num_seqs:
+            return None
+        return max(self.max_num_seqs - len(self._admitted), 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Rd2hMetadata:
         for req_id, error in self.poster.take_failures().items():
