@@ -126,13 +126,17 @@ def test_decode_room_is_said_only_when_known() -> None:  # C3
                                                        "free_seq_slots": 3}
     assert Rendezvous.from_json(json.loads(json.dumps(told.to_json()))) == told
     assert (_rdv("req-1").free_kv_share, _rdv("req-1").free_seq_slots) == (None, None)
-    assert Rendezvous.from_json(_rdv("req-1").to_json() | {"free_kv_share": 1}) \
-        .free_kv_share == 1.0
+    for edge in (0, 1):  # the bounds are room too; an integer reads as a float
+        share = Rendezvous.from_json(_rdv("req-1").to_json() | {"free_kv_share": edge})
+        assert share.free_kv_share == edge and isinstance(share.free_kv_share, float)
+    assert Rendezvous.from_json(_rdv("req-1").to_json() | {"free_seq_slots": 0}) \
+        .free_seq_slots == 0
     for name, bad, why in (("free_kv_share", 1.5, "1.5 is outside 0..1"),
                            ("free_kv_share", float("nan"), "nan is outside 0..1"),
                            ("free_kv_share", True, "expected a number, got bool"),
                            ("free_kv_share", "0.5", "expected a number, got str"),
                            ("free_seq_slots", -1, "-1 is outside 0..2147483647"),
+                           ("free_seq_slots", 2**31, "2147483648 is outside 0..2147483647"),
                            ("free_seq_slots", 2.0, "expected an integer, got float")):
         with pytest.raises(RendezvousError, match=f"'{name}': {why}"):
             Rendezvous.from_json(_rdv("req-1").to_json() | {name: bad})
