@@ -35,6 +35,7 @@ STARTUP_S = 300.0
 # Keeps a sequence slot busy for seconds after the queued completion is sent.
 LONG_TOKENS = 2040
 MAX_MODEL_LEN = 2048
+QUEUED = list(range(3, 67))  # 64 tokens: two blocks
 
 
 @dataclass
@@ -56,9 +57,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         yield Env(dep, alone)
     finally:
         dep.close()
-
-
-QUEUED = list(range(3, 67))  # 64 tokens: two blocks
 
 
 def _admitted(env: Env, n: int) -> bool:

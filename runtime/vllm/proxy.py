@@ -181,6 +181,15 @@ class _Failure:
 
 
 @dataclass
+class _Room:
+    """What a Decode's latest rendezvous told of its room (C3), its slots counted up again
+    as completions sent there end."""
+
+    kv_share: float  # of its KV blocks, free
+    slots: int  # sequence slots free
+
+
+@dataclass
 class _Job:
     """One client completion: its sub-requests, their rendezvous and the backend calls."""
 
@@ -344,10 +353,9 @@ class DisaggProxy:
         # Per Decode URL: the endpoint its latest rendezvous named, if it said
         # keeps_local_prefix (C5); what an early dispatch sends Prefill.
         self._endpoints: dict[str, dict[str, Any]] = {}
-        # Per Decode URL: the room its latest rendezvous told (C3) - [share of KV blocks
-        # free, sequence slots free] - the slots counted up again as completions sent
-        # there end; early dispatch only while there is room for the new one.
-        self._room: dict[str, list[Any]] = {}
+        # Per Decode URL: the room it has (C3); early dispatch only while there is room
+        # for the new completion.
+        self._room: dict[str, _Room] = {}
         # Per Decode URL: completions sent there whose rendezvous have not all come (its
         # admissions in progress); early dispatch only while it has none but the new one.
         self._admitting: collections.Counter[str] = collections.Counter()
@@ -861,7 +869,7 @@ class DisaggProxy:
             # Decode's answer has ended (or was given up): the sequence slots its
             # sub-requests held there are free again, also if told before they ended.
             job.released = True
-            room[1] += len(job.prompts)
+            room.slots += len(job.prompts)
         pending = [t for t in job.prefill_tasks if not t.done()]
         if cancel_prefill:
             for task in pending:
@@ -960,7 +968,7 @@ class DisaggProxy:
         completions dispatched early to it, and the room it told; forget either once a
         rendezvous does not say it."""
         told = (None if rdv.free_kv_share is None or rdv.free_seq_slots is None
-                else [rdv.free_kv_share, rdv.free_seq_slots])
+                else _Room(rdv.free_kv_share, rdv.free_seq_slots))
         for known, value in ((self._endpoints, _endpoint_of(rdv) if rdv.keeps_local_prefix
                               else None), (self._room, told)):
             if value is None:
@@ -973,8 +981,8 @@ class DisaggProxy:
         the completions ended there since tell: at least ``early_headroom`` of its KV
         blocks free and a sequence slot per prompt."""
         room = self._room.get(job.decode)
-        return (room is not None and room[0] >= self.early_headroom
-                and room[1] >= len(job.prompts))
+        return (room is not None and room.kv_share >= self.early_headroom
+                and room.slots >= len(job.prompts))
 
     def _dispatch_early(self, job: _Job) -> None:
         """C3, early: Prefill gets the completion now, with the endpoint this Decode named

@@ -135,7 +135,7 @@ class ConsumerScheduler:
         self.kv_cache_manager: KVCacheManager | None = None
         self.max_num_seqs = max_num_seqs
         # Every request vLLM allocated blocks for and has not finished, remote or not:
-        # what holds a sequence slot (the admission headroom a rendezvous tells, C3).
+        # what holds a sequence slot (the free slots a rendezvous tells, C3).
         self._admitted: set[str] = set()
         self.block_size = block_sizes[cfg.main_kv_group]
         self.indexer_block_size = (block_sizes[cfg.indexer_kv_group]
