@@ -206,6 +206,54 @@ def test_a_stall_names_its_request_and_where_the_proxy_saw_its_time_go() -> None
     assert "prefill_done_ms" in serving.format_report(rep)
 
 
+def test_the_report_judges_sfa_by_the_issues_goals() -> None:
+    reqs = serving_load.make_workload(8, SHAPE, seed=5, cancel_frac=0.0)
+    by_idx = {r.idx: r for r in reqs}
+    reference = {p: [1] * r.max_tokens for r in reqs for p in r.prompts}
+    ttft_ms = {"single": 10.0, "sfa": 19.0, "nixl": 40.0}  # at 1; twice that at 16
+    wall_s = {"single": 1.0, "sfa": 1.25, "nixl": 3.0}  # throughput: sfa 0.8 x single
+
+    def turn(system: str, scenario: str, rnd: int, wrong: bool = False) -> serving.Turn:
+        scale = 2.0 if scenario == "c16" else 1.0
+        outs = [serving_load.Outcome(
+            r.idx, success=True, tokens=[[2 if wrong and i == 0 else 1] * r.max_tokens]
+            * len(r.prompts), ttft=ttft_ms[system] * scale / 1e3, latency=0.5,
+            resp_id=f"{system}-{scenario}-{rnd}-{r.idx}") for i, r in enumerate(reqs)]
+        return serving.Turn(system, scenario, rnd, wall_s[system], 0.1, outs, True,
+                            3 if wrong else 0, 0, {}, [])
+
+    turns = [turn(n, sc, rnd, wrong=(n, sc, rnd) == ("sfa", "c16", 1))
+             for sc in ("c1", "c16") for rnd in (0, 1) for n in ("single", "sfa", "nixl")]
+    rep = serving.build_report(serving.BenchConfig(systems=("single", "sfa", "nixl")), reqs,
+                               by_idx, reference, turns, {}, {}, 1.0, 2.0)
+    goals = rep["goals"]
+    assert list(goals) == ["sfa_mismatches", "sfa_leaked_blocks", "sfa_stalled_rounds",
+                           "itl_p50_ratio_single", "ttft_p50_ratio_single_c1",
+                           "ttft_p50_ratio_nixl", "throughput_ratio_nixl"]
+    assert rep["sfa_mismatches"] == 1 and goals["sfa_mismatches"] == {"goal": "<= 0",
+                                                                      "met": False}
+    assert rep["sfa_leaked_blocks"] == 3 and goals["sfa_leaked_blocks"]["met"] is False
+    assert rep["sfa_stalled_rounds"] == 0 and goals["sfa_stalled_rounds"]["met"] is True
+    assert rep["ttft_p50_ratio_single_c1"] == 1.9
+    assert goals["ttft_p50_ratio_single_c1"] == {"goal": "<= 2", "met": True}
+    itl = rep["itl_p50_ratio_single"]
+    assert itl is not None and goals["itl_p50_ratio_single"]["met"] == (itl <= 1.1)
+    assert rep["ttft_p50_ratio_nixl"] == 0.475 and goals["ttft_p50_ratio_nixl"]["met"]
+    assert rep["throughput_ratio_nixl"] == 2.4
+    assert goals["throughput_ratio_nixl"] == {"goal": ">= 1", "met": True}
+    text = serving.format_report(rep)
+    assert "ttft_p50_ratio_single_c1" in text and "sfa_mismatches" in text and " NO" in text
+    # A peer that did not run sets no goal; single alone sets none at all.
+    rep = serving.build_report(serving.BenchConfig(systems=("single", "sfa")), reqs, by_idx,
+                               reference, [t for t in turns if t.system != "nixl"], {}, {},
+                               1.0, 2.0)
+    assert "ttft_p50_ratio_nixl" not in rep["goals"] and rep["goals"]["sfa_mismatches"]
+    rep = serving.build_report(serving.BenchConfig(systems=("single",)), reqs, by_idx,
+                               reference, [t for t in turns if t.system == "single"], {}, {},
+                               1.0, 2.0)
+    assert "goals" not in rep
+
+
 def test_the_collector_pauses_of_this_process_are_counted_and_the_heap_can_be_frozen(
 ) -> None:
     import gc
@@ -448,6 +496,9 @@ def test_every_output_equals_single_and_every_request_ends(report: dict) -> None
         # the engines' own figures, from the buckets every engine was started with
         assert row["itl_engine_p50_ms"] is not None and row["ttft_engine_p50_ms"] is not None
     assert report["itl_p50_source"] == "engine"
+    goals = report["goals"]  # judged in every run; only the timing ones vary by machine
+    assert goals["sfa_mismatches"]["met"] and goals["sfa_leaked_blocks"]["met"]
+    assert goals["ttft_p50_ratio_single_c1"]["met"] is None  # this run has no c1 scenario
 
 
 @pytest.mark.e2e

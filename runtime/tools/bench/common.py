@@ -12,7 +12,7 @@ import gc
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,3 +196,23 @@ def goal_met(value: float | None, goal: float | None, op: str) -> bool | None:
     if value is None or goal is None:
         return None
     return {"<=": value <= goal, "<": value < goal, ">=": value >= goal}[op]
+
+
+def judge(value: float | None, goal: float | None, op: str) -> dict[str, Any]:
+    """A figure's entry in a report's ``goals``: ``{"goal": "<= 1.1", "met": True}``;
+    ``met`` is None where the figure was not measured or has no goal."""
+    return {"goal": None if goal is None else f"{op} {goal:g}",
+            "met": goal_met(value, goal, op)}
+
+
+def format_goals(values: Mapping[str, float | None],
+                 goals: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The goals as text lines: figure, value, goal, met (yes / NO / - unmeasured)."""
+    width = max([26, *map(len, goals)])
+    lines = [f"{'figure':{width}} {'value':>10}  goal      met"]
+    for key, g in goals.items():
+        v = values.get(key)
+        shown = "-" if v is None else f"{v:.3f}"
+        met = {True: "yes", False: "NO", None: "-"}[g["met"]]
+        lines.append(f"{key:{width}} {shown:>10}  {g['goal'] or '-':9} {met}")
+    return lines

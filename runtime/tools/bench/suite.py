@@ -42,7 +42,8 @@ from sfa_rd2h.runtime.tools.bench.common import (
     BenchError,
     Result,
     Sizes,
-    goal_met,
+    format_goals,
+    judge,
 )
 from sfa_rd2h.spec.errors import ProtocolError
 
@@ -145,9 +146,7 @@ def figures(results: list[Result]) -> dict[str, float | None]:
 def report(results: list[Result], quick: bool) -> dict[str, Any]:
     """The ``--json`` object: every row, the figures at the top level, and their goals."""
     figs = figures(results)
-    goals = {key: {"goal": None if goal is None else f"{op} {goal:g}",
-                   "met": goal_met(figs[key], goal, op)}
-             for key, _row, _how, goal, op in FIGURES}
+    goals = {key: judge(figs[key], goal, op) for key, _row, _how, goal, op in FIGURES}
     return {"rows": [r.as_json() for r in results], **figs, "goals": goals, "quick": quick,
             "cpus": os.cpu_count()}
 
@@ -161,13 +160,7 @@ def format_row(r: Result) -> str:
 
 
 def format_figures(rep: dict[str, Any]) -> list[str]:
-    lines = [f"{'figure':26} {'value':>10}  goal      met"]
-    for key in FIGURE_KEYS:
-        v, g = rep[key], rep["goals"][key]
-        shown = "-" if v is None else f"{v:.3f}"
-        met = {True: "yes", False: "NO", None: "-"}[g["met"]]
-        lines.append(f"{key:26} {shown:>10}  {g['goal'] or '-':9} {met}")
-    return lines
+    return format_goals(rep, {key: rep["goals"][key] for key in FIGURE_KEYS})
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
