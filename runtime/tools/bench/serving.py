@@ -82,8 +82,9 @@ INSTALL_HINT = ("vllm-bench needs the vLLM route: pip install torch==2.13.0, the
 DEFAULT_SWEEP = (1, 4, 16, 64)
 RATIO_AT = 16  # the concurrency the top-level ratios are read at (the issue's)
 # The goals sfa is judged by (a benchmark's, never a test's; `goals` in the report):
-# (figure, goal, direction), ratios at RATIO_AT unless the key ends in _c1. Each peer that
-# ran adds the two of PEER_GOALS: sfa at least as good on TTFT p50 and throughput.
+# (figure, goal, direction), ratios at the report's ``ratios_at`` (RATIO_AT where the sweep
+# has it) unless the key ends in _c1. Each peer that ran adds the two of PEER_GOALS: sfa at
+# least as good on TTFT p50 and throughput.
 GOALS: tuple[tuple[str, float, str], ...] = (
     ("sfa_mismatches", 0, "<="),
     ("sfa_leaked_blocks", 0, "<="),
