@@ -185,10 +185,12 @@ class Rendezvous:
     # carries it only when true, so one without it reads as before.
     keeps_local_prefix: bool = False
     # C3: this Decode's room once this request was admitted - the share of its KV blocks
-    # still free and its free sequence slots - so a proxy dispatches early only to a Decode
-    # that can admit the next request at once. None: not said (sent only when known).
+    # still free, its free sequence slots and how many it has in all - so a proxy
+    # dispatches early only to a Decode that can admit the next request at once. None: not
+    # said (sent only when known).
     free_kv_share: float | None = None
     free_seq_slots: int | None = None
+    seq_slots: int | None = None
 
     def __post_init__(self) -> None:
         # Constructing one in code goes through the same checks as one read off the wire,
@@ -209,7 +211,8 @@ class Rendezvous:
             "remote_cached_tokens": self.remote_cached_tokens,
         } | ({"keeps_local_prefix": True} if self.keeps_local_prefix else {}) | {
             name: value for name, value in (("free_kv_share", self.free_kv_share),
-                                            ("free_seq_slots", self.free_seq_slots))
+                                            ("free_seq_slots", self.free_seq_slots),
+                                            ("seq_slots", self.seq_slots))
             if value is not None}
 
     @classmethod
@@ -245,8 +248,12 @@ class Rendezvous:
         decode = _flag(obj, "do_remote_decode", True, "Prefill must push to Decode")
         keeps = _bool_field(obj, "keeps_local_prefix", False)
         free_kv = _fraction_field(obj, "free_kv_share")
-        free_seqs = (None if obj.get("free_seq_slots") is None
-                     else _int_field(obj, "free_seq_slots", None, 0, 2**31 - 1))
+        free_seqs, all_seqs = (None if obj.get(name) is None
+                               else _int_field(obj, name, None, 0, 2**31 - 1)
+                               for name in ("free_seq_slots", "seq_slots"))
+        if free_seqs is not None and all_seqs is not None and free_seqs > all_seqs:
+            raise RendezvousError("free_seq_slots", f"{free_seqs} free of {all_seqs} "
+                                  "sequence slots in all (seq_slots)")
         inst = object.__new__(cls)
         for name, value in (
             ("request_id", request_id),
@@ -262,6 +269,7 @@ class Rendezvous:
             ("keeps_local_prefix", keeps),
             ("free_kv_share", free_kv),
             ("free_seq_slots", free_seqs),
+            ("seq_slots", all_seqs),
         ):
             object.__setattr__(inst, name, value)
         return inst

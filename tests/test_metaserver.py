@@ -121,11 +121,17 @@ def test_a_decode_that_keeps_its_prefix_says_so_and_only_then() -> None:  # C5, 
 
 
 def test_decode_room_is_said_only_when_known() -> None:  # C3
-    told = _rdv("req-1", free_kv_share=0.25, free_seq_slots=3)
+    told = _rdv("req-1", free_kv_share=0.25, free_seq_slots=3, seq_slots=8)
     assert told.to_json() == _rdv("req-1").to_json() | {"free_kv_share": 0.25,
-                                                       "free_seq_slots": 3}
+                                                       "free_seq_slots": 3, "seq_slots": 8}
     assert Rendezvous.from_json(json.loads(json.dumps(told.to_json()))) == told
-    assert (_rdv("req-1").free_kv_share, _rdv("req-1").free_seq_slots) == (None, None)
+    assert (_rdv("req-1").free_kv_share, _rdv("req-1").free_seq_slots,
+            _rdv("req-1").seq_slots) == (None, None, None)
+    # each may come alone (a build that tells no total); every slot free is room too
+    assert _rdv("req-1", seq_slots=8).to_json() == _rdv("req-1").to_json() | {"seq_slots": 8}
+    assert _rdv("req-1", free_seq_slots=8, seq_slots=8).free_seq_slots == 8
+    with pytest.raises(RendezvousError, match="'free_seq_slots': 9 free of 8 sequence slots"):
+        _rdv("req-1", free_seq_slots=9, seq_slots=8)
     for edge in (0, 1):  # the bounds are room too; an integer reads as a float
         share = Rendezvous.from_json(_rdv("req-1").to_json() | {"free_kv_share": edge})
         assert share.free_kv_share == edge and isinstance(share.free_kv_share, float)
@@ -137,7 +143,9 @@ def test_decode_room_is_said_only_when_known() -> None:  # C3
                            ("free_kv_share", "0.5", "expected a number, got str"),
                            ("free_seq_slots", -1, "-1 is outside 0..2147483647"),
                            ("free_seq_slots", 2**31, "2147483648 is outside 0..2147483647"),
-                           ("free_seq_slots", 2.0, "expected an integer, got float")):
+                           ("free_seq_slots", 2.0, "expected an integer, got float"),
+                           ("seq_slots", -1, "-1 is outside 0..2147483647"),
+                           ("seq_slots", "8", "expected an integer, got str")):
         with pytest.raises(RendezvousError, match=f"'{name}': {why}"):
             Rendezvous.from_json(_rdv("req-1").to_json() | {name: bad})
 

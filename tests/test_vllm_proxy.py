@@ -95,7 +95,7 @@ def test_single_prompt_flows_decode_first(backends, proxy):
     assert params == {**Rendezvous(request_id=f"cmpl-{xrid}-0", remote_engine_id="d-engine",
                                    remote_host="127.0.0.1", remote_port=20000,
                                    remote_tp_size=1, free_kv_share=1.0,
-                                   free_seq_slots=16).to_json(),
+                                   free_seq_slots=16, seq_slots=16).to_json(),
                       "metaserver": proxy.metaserver_url}
     assert len(proxy.records(1, timeout=10.0)) == 1  # written once Prefill's answer is in
     jobs = httpx.get(f"{proxy.url}/v1/proxy/jobs", trust_env=False).json()
@@ -292,6 +292,19 @@ def test_no_early_dispatch_while_that_decode_has_not_admitted_an_earlier_one(bac
     assert by_prompt[calls[3]] is True and by_prompt[calls[4]] is False
 
 
+def _early_by_first_token(proxy: DisaggProxy, backends: Backends,
+                          *pending: tuple[threading.Thread, dict]) -> dict[int, bool]:
+    """Once the completions still in threads answered 200 and the proxy is idle: whether
+    each completion Prefill was sent went early, keyed by its prompt's first token."""
+    for t, result in pending:
+        t.join(15)
+        assert result["r"].status_code == 200, result["r"].text
+    assert proxy.wait_idle(10.0)
+    early = {rec["id"]: rec["early"] for rec in proxy.records()}
+    return {c["body"]["prompt"][0]: early[f"cmpl-{c['x_request_id']}"]
+            for c in backends.prefill_calls}
+
+
 def test_early_dispatch_only_while_decode_has_room(backends, proxy):
     """C3: a Decode short of KV blocks (under ``early_headroom``, 0.1, of them free) or of
     sequence slots would queue the next request, and Prefill's READYs for it would wait
@@ -321,14 +334,42 @@ def test_early_dispatch_only_while_decode_has_room(backends, proxy):
     last, last_result = _in_thread(proxy, {"model": "m", "prompt": [7, 2], "max_tokens": 1})
     assert backends.decode_arrived.wait(10)  # #7's dispatch was decided before this
     backends.decode_release.set()
-    for t, result in ((held, held_result), (last, last_result)):
-        t.join(15)
-        assert result["r"].status_code == 200, result["r"].text
-    assert proxy.wait_idle(10.0)
-    early = {rec["id"]: rec["early"] for rec in proxy.records()}
-    by_prompt = {c["body"]["prompt"][0]: early[f"cmpl-{c['x_request_id']}"]
-                 for c in backends.prefill_calls}
-    assert by_prompt == {1: False, 2: False, 3: True, 4: True, 5: False, 6: True, 7: False}
+    assert _early_by_first_token(proxy, backends, (held, held_result), (last, last_result)) \
+        == {1: False, 2: False, 3: True, 4: True, 5: False, 6: True, 7: False}
+
+
+def test_a_slot_freed_before_a_later_rendezvous_is_not_counted_twice(backends, proxy):
+    """C3: Decode has one sequence slot. #2's answer ends there, #3 takes the slot and its
+    rendezvous says none is free, and only then does #2's end reach the proxy. Counting #2's
+    slot free again would make one free while #3 still holds it, and #4 would go to Prefill
+    early for a Decode that must queue it; the completions still open there, against the
+    slots Decode has in all, keep the count exact."""
+    backends.keeps_local_prefix = True
+    backends.free_seq_slots, backends.seq_slots = 0, 1
+
+    def body(first: int, **extra: object) -> dict:
+        return {"model": "m", "prompt": [first, 2], "max_tokens": 1, **extra}
+
+    r = complete(proxy, body(1))  # Decode first: no endpoint known yet
+    assert r.status_code == 200, r.text
+    backends.decode_release.clear()
+    backends.decode_rest.clear()
+    second, second_result = _in_thread(proxy, body(2))  # early: #1 ended, its slot free
+    assert backends.wait_posted(2, 10)
+    # Decode first (#2 holds the slot); streamed, it then holds its rest until decode_rest
+    third, third_result = _in_thread(proxy, body(3, max_tokens=2, stream=True))
+    assert backends.wait_posted(3, 10)  # #3's rendezvous: none free
+    backends.decode_release.set()  # #2 answers, #3 streams its first token
+    second.join(15)
+    assert second_result["r"].status_code == 200, second_result["r"].text
+    assert len(proxy.records(2, timeout=10.0)) == 2  # #2's end has reached the proxy
+    backends.decode_arrived.clear()
+    fourth, fourth_result = _in_thread(proxy, body(4))
+    assert backends.decode_arrived.wait(10)  # #4's dispatch was decided before this
+    backends.decode_rest.set()
+    assert _early_by_first_token(proxy, backends, (third, third_result),
+                                 (fourth, fourth_result)) == {1: False, 2: True, 3: False,
+                                                              4: False}
 
 
 def test_an_early_dispatch_to_a_changed_decode_fails_that_completion_only(backends, proxy):

@@ -977,16 +977,16 @@ def test_stats_aggregate_and_reduce():
 
 def test_rendezvous_tells_decode_room(pair, metaserver):
     # C3: each rendezvous says what room Decode has left once the request was admitted:
-    # the share of its KV blocks still free and its free sequence slots (max_num_seqs is
-    # 16 here; every request holding blocks takes one, a remote one whose KV is still
-    # arriving included), so a proxy stops dispatching early before Decode would queue a
-    # request whose READYs would then hold Prefill.
+    # the share of its KV blocks still free, its free sequence slots (every request
+    # holding blocks takes one, a remote one whose KV is still arriving included) and how
+    # many it has in all (max_num_seqs, 16 here), so a proxy stops dispatching early before
+    # Decode would queue a request whose READYs would then hold Prefill.
     _, d = pair()
     start_decode(d, "cmpl-big-0-aaaaaaaa", 300, metaserver)
     d.step()
     rdv = rendezvous_for(metaserver, "cmpl-big-0", 1)
     assert rdv["free_kv_share"] == round(1 - d.sched.kv_cache_manager.usage, 4) < 1
-    assert rdv["free_seq_slots"] == 15
+    assert (rdv["free_seq_slots"], rdv["seq_slots"]) == (15, 16)
     local = [make_request(f"cmpl-l{i}-0-llllllll", 4, None, max_tokens=40) for i in range(10)]
     for req in local:
         d.sched.add_request(req)

@@ -83,6 +83,7 @@ class Backends:
     # the room the rendezvous tells (C3): early dispatch needs both
     free_kv_share: float | None = 1.0
     free_seq_slots: int | None = 16
+    seq_slots: int | None = 16
     decode_port: int = 20000  # the base port the rendezvous names
     decode_wait_s: float = 10.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -225,7 +226,8 @@ class Backends:
                                  remote_tp_size=1, remote_cached_tokens=cached,
                                  keeps_local_prefix=self.keeps_local_prefix,
                                  free_kv_share=self.free_kv_share,
-                                 free_seq_slots=self.free_seq_slots)
+                                 free_seq_slots=self.free_seq_slots,
+                                 seq_slots=self.seq_slots)
                 status = await asyncio.to_thread(post_rendezvous, params["metaserver"], rdv)
                 with self.posted_cond:
                     self.posted.append((rid, status))

@@ -30,8 +30,9 @@ The D-first flow (C1, C3):
    ``remote_host``, ``remote_port`` (Decode's *base* port, P1/P2), ``remote_tp_size``,
    ``remote_pcp_size: 1``, ``remote_dcp_size: 1``, ``remote_cached_tokens`` (Decode's local
    prefix hit), ``keeps_local_prefix: true`` (whatever blocks Prefill names, Decode never
-   writes its own prefix hit, C5), ``free_kv_share`` and ``free_seq_slots`` (the room it has
-   left once the request was admitted, C3). No Decode block id ever leaves Decode.
+   writes its own prefix hit, C5), ``free_kv_share``, ``free_seq_slots`` and ``seq_slots``
+   (the room it has left once the request was admitted and its sequence slots in all, C3).
+   No Decode block id ever leaves Decode.
 3. The proxy sends the same prompt (same ``X-Request-Id``, so both sides derive the same
    external id; for a prompt list the same order) to **Prefill** with that JSON as
    ``kv_transfer_params`` (it needs ``do_remote_decode: true``, ``remote_host``,

@@ -23,7 +23,8 @@ while that Decode keeps up: with the rendezvous of an earlier completion still o
 there (it may be short of KV blocks and queueing), or while its latest rendezvous
 (``free_kv_share``, ``free_seq_slots``) and the completions ended there since leave less
 than ``early_headroom`` of its KV blocks or fewer sequence slots than the completion has
-prompts, a completion goes Decode first. The
+prompts (never more than its ``seq_slots`` less the completions still open there), a
+completion goes Decode first. The
 rendezvous still comes, and must name the same endpoint and still keep its prefix: one
 that does not (a Decode restarted elsewhere, or replaced by a build without C5) fails that
 completion, and the next is dispatched by what it named.
@@ -187,6 +188,7 @@ class _Room:
 
     kv_share: float  # of its KV blocks, free
     slots: int  # sequence slots free
+    seq_slots: int | None  # sequence slots in all, if told
 
 
 @dataclass
@@ -207,7 +209,7 @@ class _Job:
     early: dict[str, Any] | None = None  # the endpoint Prefill was sent before a rendezvous
     registered: asyncio.Event | None = None  # early: set once every rendezvous came
     admitting: bool = False  # counted among its Decode's completions awaiting a rendezvous
-    released: bool = False  # its sequence slots counted free again on its Decode (C3)
+    ended: bool = False  # Decode's answer ended: no longer holds sequence slots there (C3)
     prefill_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
     reaper: asyncio.TimerHandle | None = None
@@ -359,6 +361,9 @@ class DisaggProxy:
         # Per Decode URL: completions sent there whose rendezvous have not all come (its
         # admissions in progress); early dispatch only while it has none but the new one.
         self._admitting: collections.Counter[str] = collections.Counter()
+        # Per Decode URL: the prompts of completions sent there whose answer has not ended,
+        # each holding (or about to hold) a sequence slot (C3).
+        self._open_seqs: collections.Counter[str] = collections.Counter()
         # A bearer token every caller but a health probe must present (off unless given
         # here or in SFA_RD2H_METASERVER_TOKEN); Decode's rendezvous client and the
         # connectors' failure reports send the same one. Never logged.
@@ -651,6 +656,7 @@ class DisaggProxy:
             self._subs[sub] = (job, i)
         job.admitting = True
         self._admitting[job.decode] += 1
+        self._open_seqs[job.decode] += len(prompts)
         job.timer = loop.call_later(self.rendezvous_timeout_s, self._rendezvous_expired, job)
         # Backstop for a response that is never iterated (client gone before the body
         # started): nothing is registered past the deadline.
@@ -864,12 +870,16 @@ class DisaggProxy:
         if job.timer is not None:
             job.timer.cancel()
         job.outcome = outcome
-        room = self._room.get(job.decode)
-        if room is not None and not job.admitting and not job.released:
+        if not job.ended:
             # Decode's answer has ended (or was given up): the sequence slots its
             # sub-requests held there are free again, also if told before they ended.
-            job.released = True
-            room.slots += len(job.prompts)
+            job.ended = True
+            self._open_seqs[job.decode] -= len(job.prompts)
+            if not self._open_seqs[job.decode]:
+                del self._open_seqs[job.decode]
+            room = self._room.get(job.decode)
+            if room is not None and not job.admitting:
+                room.slots += len(job.prompts)
         pending = [t for t in job.prefill_tasks if not t.done()]
         if cancel_prefill:
             for task in pending:
@@ -968,7 +978,7 @@ class DisaggProxy:
         completions dispatched early to it, and the room it told; forget either once a
         rendezvous does not say it."""
         told = (None if rdv.free_kv_share is None or rdv.free_seq_slots is None
-                else _Room(rdv.free_kv_share, rdv.free_seq_slots))
+                else _Room(rdv.free_kv_share, rdv.free_seq_slots, rdv.seq_slots))
         for known, value in ((self._endpoints, _endpoint_of(rdv) if rdv.keeps_local_prefix
                               else None), (self._room, told)):
             if value is None:
@@ -981,8 +991,15 @@ class DisaggProxy:
         the completions ended there since tell: at least ``early_headroom`` of its KV
         blocks free and a sequence slot per prompt."""
         room = self._room.get(job.decode)
-        return (room is not None and room.kv_share >= self.early_headroom
-                and room.slots >= len(job.prompts))
+        if room is None or room.kv_share < self.early_headroom:
+            return False
+        free = room.slots
+        if room.seq_slots is not None:
+            # A completion whose end reaches this proxy just after a later admission's
+            # rendezvous was counted free by that rendezvous and again by its end; the
+            # completions still open there (this one included) bound the count exactly.
+            free = min(free, room.seq_slots - self._open_seqs[job.decode] + len(job.prompts))
+        return free >= len(job.prompts)
 
     def _dispatch_early(self, job: _Job) -> None:
         """C3, early: Prefill gets the completion now, with the endpoint this Decode named

@@ -197,12 +197,14 @@ class ConsumerScheduler:
             request_id=ext, remote_engine_id=self.cfg.engine_id, remote_host=self.cfg.host,
             remote_port=self.cfg.base_port, remote_tp_size=self.cfg.mapping.d_tp,
             remote_cached_tokens=local_hit, keeps_local_prefix=True,
-            free_kv_share=self.free_kv_share(), free_seq_slots=self.free_seq_slots())
+            free_kv_share=self.free_kv_share(), free_seq_slots=self.free_seq_slots(),
+            seq_slots=self.max_num_seqs or None)
         self.poster.submit(req_id, url, rendezvous)
 
     # Short of KV blocks or of sequence slots, vLLM queues the next request instead of
     # admitting it, and a completion dispatched early would hold Prefill's READYs meanwhile
-    # (C1, C3): each rendezvous tells both, as they are once its request was admitted.
+    # (C1, C3): each rendezvous tells both, as they are once its request was admitted, and
+    # the slots in all (the proxy bounds its own count of the free ones by them).
     def free_kv_share(self) -> float | None:
         """The share of this Decode's KV blocks still free (None before vLLM bound its KV
         cache manager)."""
