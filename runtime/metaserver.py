@@ -249,8 +249,8 @@ class Rendezvous:
         keeps = _bool_field(obj, "keeps_local_prefix", False)
         free_kv = _fraction_field(obj, "free_kv_share")
         free_seqs, all_seqs = (None if obj.get(name) is None
-                               else _int_field(obj, name, None, 0, 2**31 - 1)
-                               for name in ("free_seq_slots", "seq_slots"))
+                               else _int_field(obj, name, None, least, 2**31 - 1)
+                               for name, least in (("free_seq_slots", 0), ("seq_slots", 1)))
         if free_seqs is not None and all_seqs is not None and free_seqs > all_seqs:
             raise RendezvousError("free_seq_slots", f"{free_seqs} free of {all_seqs} "
                                   "sequence slots in all (seq_slots)")

@@ -144,7 +144,7 @@ def test_decode_room_is_said_only_when_known() -> None:  # C3
                            ("free_seq_slots", -1, "-1 is outside 0..2147483647"),
                            ("free_seq_slots", 2**31, "2147483648 is outside 0..2147483647"),
                            ("free_seq_slots", 2.0, "expected an integer, got float"),
-                           ("seq_slots", -1, "-1 is outside 0..2147483647"),
+                           ("seq_slots", 0, "0 is outside 1..2147483647"),
                            ("seq_slots", "8", "expected an integer, got str")):
         with pytest.raises(RendezvousError, match=f"'{name}': {why}"):
             Rendezvous.from_json(_rdv("req-1").to_json() | {name: bad})

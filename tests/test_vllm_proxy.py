@@ -323,8 +323,8 @@ def test_early_dispatch_only_while_decode_has_room(backends, proxy):
     send(3, 0.5, 0)  # early: 1 slot told, and #2 has ended since (2 free)
     send(4, None, 16)  # early: #3 ended, its slot is free again
     send(5, 0.5, 16)  # Decode first: #4's rendezvous told nothing
-    # #5 told one slot left; a completion still open there takes it (its rendezvous says
-    # none left), so the next one goes Decode first
+    # #5's rendezvous told room; a completion still open there takes the last slot (its
+    # rendezvous says none left), so the next one goes Decode first
     backends.free_seq_slots = 0
     backends.decode_release.clear()
     held, held_result = _in_thread(proxy, {"model": "m", "prompt": [6, 2], "max_tokens": 1})
@@ -346,6 +346,9 @@ def test_a_slot_freed_before_a_later_rendezvous_is_not_counted_twice(backends, p
     slots Decode has in all, keep the count exact."""
     backends.keeps_local_prefix = True
     backends.free_seq_slots, backends.seq_slots = 0, 1
+    # the fake Decode holds #2 and #3 on the events below only this long, then answers;
+    # an early answer would free the slot before the decision it is there for
+    backends.decode_wait_s = 40.0
 
     def body(first: int, **extra: object) -> dict:
         return {"model": "m", "prompt": [first, 2], "max_tokens": 1, **extra}

@@ -21,13 +21,13 @@ completion to Prefill at the same time as to that Decode, with the endpoint it l
 ``remote_cached_tokens: 0``, so Decode's admission no longer runs before Prefill's. Only
 while that Decode keeps up: with the rendezvous of an earlier completion still outstanding
 there (it may be short of KV blocks and queueing), or while its latest rendezvous
-(``free_kv_share``, ``free_seq_slots``) and the completions ended there since leave less
-than ``early_headroom`` of its KV blocks or fewer sequence slots than the completion has
-prompts (never more than its ``seq_slots`` less the completions still open there), a
-completion goes Decode first. The
-rendezvous still comes, and must name the same endpoint and still keep its prefix: one
-that does not (a Decode restarted elsewhere, or replaced by a build without C5) fails that
-completion, and the next is dispatched by what it named.
+(``free_kv_share``, ``free_seq_slots``) and the completions ended there since (never more
+slots than its ``seq_slots`` less the prompts of the completions still open there) leave
+less than ``early_headroom`` of its KV blocks or fewer sequence slots than the completion
+has prompts, a completion goes Decode first. The rendezvous still comes, and must name
+the same endpoint and still keep its prefix: one that does not (a Decode restarted
+elsewhere, or replaced by a build without C5) fails that completion, and the next is
+dispatched by what it named.
 
 Failures reach the client as HTTP errors, never a hang: a Prefill that answers an error or
 cannot be reached, a rendezvous that does not complete within ``rendezvous_timeout_s``, or a
@@ -989,7 +989,8 @@ class DisaggProxy:
     def _has_room(self, job: _Job) -> bool:
         """Decode can admit this completion at once, as far as its latest rendezvous and
         the completions ended there since tell: at least ``early_headroom`` of its KV
-        blocks free and a sequence slot per prompt."""
+        blocks free and a sequence slot per prompt, of the slots its ``seq_slots`` leaves
+        beside the other completions still open there."""
         room = self._room.get(job.decode)
         if room is None or room.kv_share < self.early_headroom:
             return False
@@ -997,7 +998,8 @@ class DisaggProxy:
         if room.seq_slots is not None:
             # A completion whose end reaches this proxy just after a later admission's
             # rendezvous was counted free by that rendezvous and again by its end; the
-            # completions still open there (this one included) bound the count exactly.
+            # completions still open there bound the count from above (other clients of
+            # that Decode are seen only through what it tells).
             free = min(free, room.seq_slots - self._open_seqs[job.decode] + len(job.prompts))
         return free >= len(job.prompts)
 
