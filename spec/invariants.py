@@ -110,8 +110,10 @@ RULES: tuple[Rule, ...] = (
              "with the endpoint an earlier rendezvous of that Decode named and no cached "
              "tokens, only to a Decode that keeps its local prefix (C5), has posted the "
              "rendezvous of every completion sent to it before and has room to admit it at "
-             "once (free KV blocks and sequence slots, as its latest rendezvous told them); "
-             "a rendezvous that then names another endpoint fails the completion."),
+             "once (free KV blocks and sequence slots as its latest rendezvous told them, "
+             "plus the slots of completions ended there since, never more than its slots in "
+             "all less those of the completions still open there); a rendezvous that then "
+             "names another endpoint fails the completion."),
     _r("C4", "Prefill sends READY only after the layer's scatter landed (device event); "
              "Decode validates, plans one batched read for all ready requests, and replies."),
     _r("C5", "Decode never writes the positions of its own local prefix hit: what a READY "
