@@ -1,12 +1,13 @@
-"""Stopping an engine leaves nothing in /dev/shm.
+"""Stopping an engine leaves nothing in /dev/shm, nor its IPC sockets in /tmp.
 
 ``vllm serve`` is a process group: the API server leads it, the EngineCore and its workers
 talk through multiprocessing shared memory (``psm_*``) and semaphores (``sem.mp-*``), and
 multiprocessing's resource tracker removes what a dead process left. The API server exits
 first on SIGTERM; an engine stopped by killing the group at that moment left those files in
-/dev/shm for good. These tests run a real process group of that shape (a shell leading a
-Python process that makes real multiprocessing shared memory) through
-:meth:`EngineServer.stop`, with no vLLM needed.
+/dev/shm for good. Its ZMQ IPC sockets are files too, in ``VLLM_RPC_BASE_PATH`` (/tmp
+unless set), and a killed engine leaves them. These tests run a real process group of that
+shape (a shell leading a Python process that makes real multiprocessing shared memory and
+binds a Unix socket where vLLM would) through :meth:`EngineServer.stop`, with no vLLM needed.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ from sfa_rd2h.runtime.vllm import launch
 # shuts down slowly and removes them itself ("slow", as an EngineCore stopping its workers)
 # or never acts on SIGTERM at all ("stuck").
 STAND_IN = r"""
-import multiprocessing, os, signal, sys, time
+import multiprocessing, os, signal, socket, sys, time
 from multiprocessing import shared_memory
 
 fifo, mode = sys.argv[1], sys.argv[2]
 block = shared_memory.SharedMemory(create=True, size=1 << 20)
 lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore in /dev/shm
 names = ["/dev/shm/" + block.name, "/dev/shm/sem." + lock._semlock.name.lstrip("/")]
+rpc = socket.socket(socket.AF_UNIX)  # as ZMQ binds ipc://$VLLM_RPC_BASE_PATH/<uuid>
+rpc.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "engine-core-input"))
+names.append(rpc.getsockname())
 if mode == "stuck":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
@@ -49,7 +53,8 @@ del lock  # its finalizer removes the semaphore's file
 """
 
 
-def _start(tmp_path: Path, mode: str) -> tuple[launch.EngineServer, list[str]]:
+def _start(tmp_path: Path, mode: str) -> tuple[launch.EngineServer, list[str], Path]:
+    """The stand-in's engine, started, with its shared memory files and its socket."""
     script = tmp_path / "engine_core.py"
     script.write_text(STAND_IN)
     fifo = tmp_path / "names"
@@ -68,23 +73,25 @@ def _start(tmp_path: Path, mode: str) -> tuple[launch.EngineServer, list[str]]:
         files = os.read(fd, 4096).decode().split() if ready else []
     finally:
         os.close(fd)
-    if len(files) != 2:
+    if len(files) != 3:
         server.stop()
         pytest.fail(f"the stand-in did not say its files; log:\n{server.log_text()}")
     assert all(Path(f).exists() for f in files), files
-    return server, files
+    return server, files[:2], Path(files[2])
 
 
 @pytest.mark.parametrize("mode", ["slow", "stuck"])
 def test_a_stopped_engine_leaves_no_shared_memory(tmp_path: Path, mode: str) -> None:
-    server, files = _start(tmp_path, mode)
-    assert server.proc is not None
+    server, files, sock = _start(tmp_path, mode)
+    assert server.proc is not None and server.rpc_dir is not None
+    assert sock.parent == server.rpc_dir and sock.is_socket()
     pgid = server.proc.pid
     try:
         server.stop(timeout=15.0 if mode == "slow" else 2.0)
     finally:
         launch.unlink_existing(files)  # never leave them behind, whatever failed
     assert launch.group_members(pgid) == []
+    assert not server.rpc_dir.exists()  # the socket with it, bound by a process now gone
     assert sorted(server.shared_files) == sorted(files)
     left = [f for f in files if Path(f).exists()]
     assert left == [], f"{mode}: {left} left in /dev/shm; log:\n{server.log_text()}"

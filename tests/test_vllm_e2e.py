@@ -20,6 +20,7 @@ every request has a timeout, and the module finalizer stops every process.
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -316,3 +317,13 @@ def test_read_failure_fails_only_its_request(env: Env) -> None:
         print("the failure report overtook Decode's answer; vLLM "
               + ("failed the load itself" if logged else "aborted on the proxy's close"))
     env.figures["failure_case"] = {"failing_decode": f, "prefill": p}
+
+
+def test_each_engine_binds_its_ipc_sockets_in_a_folder_of_its_own(env: Env) -> None:
+    """vLLM's ZMQ IPC sockets (API server to EngineCore) are bound in the folder launch gave
+    each engine (``VLLM_RPC_BASE_PATH``), which stopping it removes (test_engine_stop.py),
+    not in /tmp, where those of every engine that did not close them stayed."""
+    for name, server in env.dep.servers.items():
+        assert server.rpc_dir is not None and server.rpc_dir.parent == Path(tempfile.gettempdir())
+        sockets = [p for p in server.rpc_dir.iterdir() if p.is_socket()]
+        assert sockets, (name, sorted(server.rpc_dir.iterdir()))

@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,6 +302,9 @@ class EngineServer:
     # those files were still there once it was gone (removed then).
     shared_files: list[str] = field(default_factory=list)
     unlinked: list[str] = field(default_factory=list)
+    # Set by start(): where the group's ZMQ IPC sockets go (VLLM_RPC_BASE_PATH; vLLM's
+    # default, /tmp, keeps those of every engine that did not close them). stop() removes it.
+    rpc_dir: Path | None = None
     _log: TextIO | None = field(default=None, repr=False)
 
     @property
@@ -310,6 +314,9 @@ class EngineServer:
     def start(self) -> EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        # Short, under /tmp: a socket's path must fit in 107 bytes, a log folder may not.
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix=f"sfa-vllm-{self.name}-"))
+        self.env = {**self.env, "VLLM_RPC_BASE_PATH": str(self.rpc_dir)}
         self.started = time.monotonic()
         # A new session: the API server, EngineCore and worker share one process group,
         # which stop() signals as a whole.
@@ -420,10 +427,13 @@ class EngineServer:
     def stop(self, timeout: float = 15.0) -> None:
         """:meth:`terminate`, wait up to ``timeout`` for every process of the group, SIGKILL
         what is left, and remove the multiprocessing shared memory the group had mapped
-        that nobody removed (``shared_files``, ``unlinked``). Safe to call twice."""
+        that nobody removed (``shared_files``, ``unlinked``) and the group's ``rpc_dir``.
+        Safe to call twice."""
         if self.proc is not None:
             self.terminate()
             self.unlinked += reap_group(self.proc, timeout, self.shared_files)
+        if self.rpc_dir is not None and (self.proc is None or self.proc.poll() is not None):
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)  # a socket file is all it holds
         if self._log is not None:
             self._log.close()
             self._log = None
