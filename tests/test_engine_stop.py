@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,36 @@ def test_waiting_for_processes_returns_when_they_exit_or_at_the_deadline() -> No
         slow.kill()
         slow.wait()
         quick.wait()
+
+
+def test_the_ipc_folder_is_made_where_asked_and_never_left_by_a_failed_start(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The folder goes under the caller's ``VLLM_RPC_BASE_PATH`` (else the temporary
+    folder); one too deep for a Unix socket's path is refused up front, naming the way out,
+    rather than failing inside vLLM; a start whose command cannot run leaves no folder."""
+    base = Path(tempfile.mkdtemp(prefix="sfa-t-"))  # short: tmp_path is deep already
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    missing = launch.EngineServer(name="missing", port=0, cmd=[str(tmp_path / "no-such")],
+                                  env={**os.environ, "VLLM_RPC_BASE_PATH": str(base)},
+                                  log_path=tmp_path / "missing.log")
+    with pytest.raises(FileNotFoundError):
+        missing.start()
+    assert missing.rpc_dir is not None and missing.rpc_dir.parent == base
+    assert list(base.iterdir()) == []  # removed again
+    deep = base / ("d" * 80)
+    deep.mkdir()
+    too_deep = launch.EngineServer(name="deep", port=0, cmd=["true"],
+                                   env={**os.environ, "VLLM_RPC_BASE_PATH": str(deep)},
+                                   log_path=tmp_path / "deep.log")
+    with pytest.raises(launch.EngineError, match="too long for a Unix socket path"):
+        too_deep.start()
+    assert list(deep.iterdir()) == [] and too_deep.proc is None
+    once = launch.EngineServer(name="once", port=0, cmd=["true"], env=dict(os.environ),
+                               log_path=tmp_path / "once.log")
+    once.start()
+    try:
+        with pytest.raises(RuntimeError, match="start"):
+            once.start()
+    finally:
+        once.stop()
+    assert once.rpc_dir is not None and not once.rpc_dir.exists()

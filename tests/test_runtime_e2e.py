@@ -498,3 +498,48 @@ def test_fork_server_preloads_torch_only_for_a_gloo_group(monkeypatch) -> None:
     assert not any(m.startswith("torch") for m in demo_run._preload(DemoConfig(tp_group="gloo")))
     with pytest.raises(DemoConfigError, match="--tp-group gloo needs torch"):
         DemoConfig(tp_group="gloo").check()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("exiting", [False, True], ids=["library", "command-line"])
+def test_an_interrupted_demo_gives_the_caller_its_signal_handlers_back(
+        tmp_path: Path, exiting: bool) -> None:
+    """A real SIGINT stops an in-process run (what a test or another program does); its
+    caller gets back its own SIGINT and SIGTERM handlers. The command line alone
+    (``exiting``) keeps both ignored, as it exits next: left ignored in a process that goes
+    on, they were inherited by everything it started later (a pytest run that could no
+    longer be stopped, vLLM engines that outlived it)."""
+    import signal
+    import threading
+
+    def mine(signum: int, frame: object) -> None:
+        raise AssertionError(f"the caller's handler got signal {signum}")
+
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    traces = tmp_path / "traces"
+    cfg = DemoConfig(**{**SMALL, "p_tp": 2, "d_tp": 2, "layers": 200, "slots": 1,
+                        "requests": 2, "trace_dir": str(traces)})  # type: ignore[arg-type]
+
+    def press_once_running() -> None:
+        # Once every rank has begun its trace (nothing announces it to another thread:
+        # this polls), a press as a terminal sends it.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and \
+                len(list(traces.glob("*.jsonl"))) < cfg.p_tp + cfg.d_tp:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_once_running, daemon=True)
+    try:
+        presser.start()
+        result = run_demo(cfg, exiting=exiting)
+        presser.join(60)
+        assert result.interrupted and result.stop_signal == signal.SIGINT, result.summary()
+        after = {s: signal.getsignal(s) for s in previous}
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    expected = signal.SIG_IGN if exiting else mine
+    assert after == {signal.SIGINT: expected, signal.SIGTERM: expected}
+    assert _leaked(result) == []

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from sfa_rd2h.runtime.processes import wait_gone
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -236,6 +238,56 @@ def test_a_run_cut_short_gets_its_teardown_when_started_with_sigint_ignored(
             proc.wait()
 
 
+def test_a_second_sigterm_does_not_leave_the_run_going(tmp_path: Path) -> None:
+    """People press twice: a SIGTERM that comes while the script waits out a stopped run's
+    grace must not end that wait early and leave the run going on its own (a whole pytest
+    run once went on so, its engines after it); the run's SIGKILL still comes."""
+    import select
+    import signal
+    import subprocess
+
+    fifo = tmp_path / "pid"
+    os.mkfifo(fifo)
+    # A run that will not stop for SIGINT (a test stuck in a call that ignores it): it says
+    # its pid, then says it once more each time a SIGINT comes, and sleeps on.
+    run = (
+        "import os, signal, time\n"
+        f"out = open({str(fifo)!r}, 'w', buffering=1)\n"
+        "signal.signal(signal.SIGINT, lambda *_: out.write('int\\n'))\n"
+        "out.write(f'{os.getpid()}\\n')\n"
+        "while True:\n"
+        "    time.sleep(60)\n")
+    driver = _run_driver(f"[sys.executable, '-c', {run!r}]", tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", driver], env={**os.environ, "GRACE": "5"})
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    buf = b""
+
+    def next_line() -> str:
+        nonlocal buf
+        while b"\n" not in buf:
+            # Readable once the run has written, or has gone (then read gives b"").
+            ready, _, _ = select.select([fd], [], [], 120.0)
+            chunk = os.read(fd, 64) if ready else b""
+            assert chunk, f"the run said nothing more after {buf!r}"
+            buf += chunk
+        line, _, buf = buf.partition(b"\n")
+        return line.decode()
+
+    try:
+        run_pid = int(next_line())
+        proc.send_signal(signal.SIGTERM)
+        assert next_line() == "int"  # the script is in its grace now
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        # The script waited out the grace and SIGKILLed the run before it left.
+        assert wait_gone([run_pid], time.monotonic() + 10.0), "the run goes on"
+    finally:
+        os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _run_driver(cmd: str, tmp_path: Path) -> str:
     """A program that ``_run``s the command list ``cmd`` (Python source) in ``tmp_path`` and
     leaves on SIGTERM as the stress script does."""
@@ -244,6 +296,7 @@ def _run_driver(cmd: str, tmp_path: Path) -> str:
             "from pathlib import Path\n"
             "from test_stress_script import _stress\n"
             "stress = _stress()\n"
-            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))\n"
+            "signal.signal(signal.SIGTERM, stress._leave)\n"
+            "stress.INTERRUPT_GRACE_S = float(os.environ.get('GRACE', stress.INTERRUPT_GRACE_S))\n"
             f"stress._run({cmd}, 'run', stress.Results(), Path({str(tmp_path)!r}),\n"
             f"           dict(os.environ), Path({str(tmp_path / 'log')!r}))\n")

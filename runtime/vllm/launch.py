@@ -7,7 +7,7 @@ single-engine reference, the connector's figures.
 * :class:`EngineServer` is one ``vllm serve`` (its API server, EngineCore and worker, in one
   process group so that stopping it stops all three; it also dies with its starter).
   Stopping waits for the whole group, not only its leader, and removes the shared memory a
-  killed group leaves in ``/dev/shm``.
+  killed group leaves in ``/dev/shm`` and the folder its ZMQ IPC sockets were bound in.
   :meth:`EngineServer.wait_healthy` polls ``/health`` until a deadline and fails at once,
   with the log's tail, when the server exits.
 * :func:`kv_transfer_config` is the ``--kv-transfer-config`` of a Prefill or Decode running
@@ -66,6 +66,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "small": {**TINY_LLAMA, "hidden_size": 512, "num_hidden_layers": 8,
               "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1408},
 }
+
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (Linux sun_path, less its NUL)
 
 # Every engine here: a 1 GiB KV cache (vLLM's CPU default reserves most of the machine), no
 # network (the model is local), and no usage reporting.
@@ -312,11 +314,21 @@ class EngineServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> EngineServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        # Short, under /tmp: a socket's path must fit in 107 bytes, a log folder may not.
-        self.rpc_dir = Path(tempfile.mkdtemp(prefix=f"sfa-vllm-{self.name}-"))
-        self.env = {**self.env, "VLLM_RPC_BASE_PATH": str(self.rpc_dir)}
+        """Start the group once (not waiting for health); :meth:`stop` undoes it, and a
+        start that failed leaves nothing behind."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.name}: start() once; stop() and make a new server")
+        # In the temporary folder (where vLLM would put them itself), not beside the log: a
+        # socket's path must fit in 107 bytes, and vLLM adds a 37-byte name to the folder's.
+        base = self.env.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+        rpc_dir = Path(tempfile.mkdtemp(prefix=f"sfa-vllm-{self.name[:16]}-", dir=base))
+        if len(os.fsencode(rpc_dir)) + 37 > UNIX_PATH_MAX:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+            raise EngineError(f"{self.name}: IPC socket folder {rpc_dir} is too long for a "
+                              f"Unix socket path ({UNIX_PATH_MAX} bytes with vLLM's names); "
+                              "set TMPDIR or VLLM_RPC_BASE_PATH to a shorter folder")
+        self.rpc_dir = rpc_dir
+        self.env = {**self.env, "VLLM_RPC_BASE_PATH": str(rpc_dir)}
         self.started = time.monotonic()
         # A new session: the API server, EngineCore and worker share one process group,
         # which stop() signals as a whole.
@@ -328,9 +340,15 @@ class EngineServer:
                 os.sched_setaffinity(0, affinity)  # inherited by everything it starts
 
         cmd = ["ip", "netns", "exec", self.netns, *self.cmd] if self.netns else self.cmd
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=before_exec)
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=before_exec)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def log_tail(self, lines: int = 40) -> str:
@@ -432,8 +450,10 @@ class EngineServer:
         if self.proc is not None:
             self.terminate()
             self.unlinked += reap_group(self.proc, timeout, self.shared_files)
-        if self.rpc_dir is not None and (self.proc is None or self.proc.poll() is not None):
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)  # a socket file is all it holds
+        if self.rpc_dir is not None:
+            # Whatever survived the SIGKILL keeps the connections it has: removing a
+            # socket's file only stops new ones, and nothing may connect to a stopped engine.
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -111,7 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     2: invalid configuration (the message names the rule); 130: interrupted (Ctrl-C),
     143: stopped by SIGTERM (either way every rank stopped and everything removed)."""
     try:
-        result = run_demo(config_from_args(args))
+        result = run_demo(config_from_args(args), exiting=True)
     except DemoConfigError as exc:
         print(f"invalid demo configuration: {exc}", file=sys.stderr)
         return 2

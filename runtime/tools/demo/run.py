@@ -233,12 +233,15 @@ class _CtrlC:
     ``KeyboardInterrupt``); any after that, and any once cleanup has begun, are only
     counted, so the cleanup - children stopped, /dev/shm files removed, the lab removed -
     always runs to the end, however often Ctrl-C is pressed. Nested uses share one
-    installation (the outermost installs and restores)."""
+    installation (the outermost installs and restores). ``exiting``: the caller exits once
+    an interrupted run has returned (the command line), and later signals stay ignored
+    until it has; any other caller gets its own handlers back, as it had them."""
 
-    def __init__(self) -> None:
+    def __init__(self, exiting: bool = False) -> None:
         self.presses = 0
         self.signum = 0  # the first signal received
         self.armed = True
+        self.exiting = exiting
         self._previous: dict[int, Any] = {}
         self._depth = 0
 
@@ -262,21 +265,24 @@ class _CtrlC:
         if self._depth or not self._previous:
             return
         for s, previous in self._previous.items():
-            # Interrupted: the process is about to exit 128 + signal. Python's own handler
-            # would turn a late press into a second KeyboardInterrupt, and at interpreter
-            # shutdown the default action would kill the process (exit -2); an ignored
-            # signal stays ignored through shutdown.
-            signal.signal(s, signal.SIG_IGN if self.presses else previous)
+            # Interrupted, a command line exits 128 + signal next: Python's own handler would
+            # turn a late press into a second KeyboardInterrupt, and at interpreter shutdown
+            # the default action would kill the process (exit -2); an ignored signal stays
+            # ignored through shutdown. Not so in a process that goes on (a test run): an
+            # ignored signal is also inherited by every process it starts later.
+            signal.signal(s, signal.SIG_IGN if self.presses and self.exiting else previous)
 
 
-def run_demo(cfg: DemoConfig) -> DemoResult:
+def run_demo(cfg: DemoConfig, *, exiting: bool = False) -> DemoResult:
     """Run the whole deployment; raises ``DemoConfigError`` for an invalid configuration.
 
     A Ctrl-C (SIGINT) or a SIGTERM stops the run cleanly: the result then says
     ``interrupted`` (and ``stop_signal``), every child is stopped, every /dev/shm file of the run
-    and (``--hosts netns``) its lab are removed before this returns."""
+    and (``--hosts netns``) its lab are removed before this returns. The caller's handlers of
+    both signals are back when it returns; ``exiting`` (a command line that exits next)
+    leaves both ignored instead, once a run was interrupted."""
     cfg.check()
-    ctrl_c = _CtrlC()
+    ctrl_c = _CtrlC(exiting)
     if cfg.hosts != "netns":
         return _run_demo(cfg, {}, {}, None, ctrl_c)
     from sfa_rd2h.runtime.tools.hosts import Lab
