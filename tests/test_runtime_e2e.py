@@ -543,3 +543,29 @@ def test_an_interrupted_demo_gives_the_caller_its_signal_handlers_back(
     expected = signal.SIG_IGN if exiting else mine
     assert after == {signal.SIGINT: expected, signal.SIGTERM: expected}
     assert _leaked(result) == []
+
+
+@pytest.mark.e2e
+def test_a_press_while_a_rank_is_starting_stops_that_rank_too(monkeypatch) -> None:
+    """SIGINT lands just after a rank's process is forked, before the parent has recorded
+    it: the run still stops that rank, as it stops every other (before, the press unwound
+    past the record and the rank ran on, unknown to the cleanup)."""
+    import multiprocessing.process
+    import signal
+
+    started: list[int] = []
+    real_start = multiprocessing.process.BaseProcess.start
+
+    def start_then_press(self: multiprocessing.process.BaseProcess) -> None:
+        real_start(self)
+        started.append(self.pid)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # handled here, in the main thread
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_then_press)
+    result = run_demo(DemoConfig(**SMALL))  # type: ignore[arg-type]
+    assert result.interrupted and result.stop_signal == signal.SIGINT, result.summary()
+    assert len(started) == 1, f"ranks started after the press: {started}"
+    assert started[0] in result.pids.values(), (started, result.pids)
+    assert _all_exit(set(started), 10.0), f"rank {started[0]} still runs"
+    assert _leaked(result) == []

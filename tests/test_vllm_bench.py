@@ -375,6 +375,33 @@ def test_example_engines_take_whole_prompts() -> None:
     assert "--enable-chunked-prefill" in opts.serve_args()  # the others' unchanged
 
 
+def test_the_reference_engine_gets_every_serve_flag_of_the_served_ones() -> None:
+    """The single-engine reference (an offline ``LLM``) is built from the same flags as
+    the served engines, ``extra_args`` included: before, it got a hand-kept subset, and a
+    deployment whose engines needed ``--hf-overrides`` had a reference that could not
+    start."""
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from sfa_rd2h.runtime.vllm import launch
+
+    overrides = {"max_position_embeddings": 8192}
+    opts = launch.EngineOptions(model="m", max_model_len=8192, seed=5, max_num_seqs=3,
+                                extra_args=("--hf-overrides", json.dumps(overrides)))
+    kwargs = opts.llm_kwargs()
+    assert kwargs["hf_overrides"] == overrides
+    assert (kwargs["model"], kwargs["max_model_len"], kwargs["seed"],
+            kwargs["max_num_seqs"]) == ("m", 8192, 5, 3)
+    assert kwargs["enable_chunked_prefill"] is True
+    assert EngineArgs(**kwargs).hf_overrides == overrides  # every name is an engine argument
+    example = serving_systems.example_options(opts).llm_kwargs()
+    assert example["enable_chunked_prefill"] is False
+    assert example["max_num_batched_tokens"] == opts.max_model_len
+    with pytest.raises(SystemExit):  # argparse's way, as ``vllm serve`` refuses it
+        launch.EngineOptions(model="m", extra_args=("--no-such-flag",)).llm_kwargs()
+
+
 class _Group:
     """An engine stand-in: a process group (a shell and its child) like ``vllm serve``'s."""
 

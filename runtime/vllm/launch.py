@@ -171,11 +171,22 @@ class EngineOptions:
                 "--enable-chunked-prefill", *self.extra_args]
 
     def llm_kwargs(self) -> dict[str, Any]:
-        return {"model": self.model, "skip_tokenizer_init": True, "dtype": "float32",
-                "enforce_eager": True, "seed": self.seed, "max_model_len": self.max_model_len,
-                "block_size": self.block_size,
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_num_seqs": self.max_num_seqs, "enable_chunked_prefill": True}
+        """The offline ``LLM``'s arguments that make it the engines' twin: their own serve
+        flags (``extra_args`` included) read by vLLM's engine-argument parser, kept where
+        they differ from what no flags give. Needs vLLM; an unknown flag is an error here,
+        as it is to ``vllm serve``."""
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", self.model,
+                                                             *self.serve_args()]))
+        bare = EngineArgs.from_cli_args(parser.parse_args(["--model", self.model]))
+        return {"model": self.model,
+                **{f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)
+                   if getattr(parsed, f.name) != getattr(bare, f.name)}}
 
 
 def kv_transfer_config(role: str, *, kv_port: int, host: str = "127.0.0.1",

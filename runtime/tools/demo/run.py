@@ -13,7 +13,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -252,6 +253,19 @@ class _CtrlC:
         if self.armed and self.presses == 1:
             raise KeyboardInterrupt
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """A first press during the block takes effect when it ends: a step that must not
+        be cut in two (a child started but not yet recorded, so never stopped) runs whole."""
+        armed, before = self.armed, self.presses
+        self.armed = False
+        try:
+            yield
+        finally:
+            self.armed = armed
+        if armed and before == 0 and self.presses:
+            raise KeyboardInterrupt
+
     def __enter__(self) -> _CtrlC:
         self._depth += 1
         # Signal handlers belong to the main thread; elsewhere (a test's worker thread) the
@@ -417,9 +431,12 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
                 mine, theirs = ctx.Pipe()
                 proc = ctx.Process(target=run_child, name=name, daemon=True,
                                    args=(fn, name, plan, rank, theirs, *args))
-                proc.start()
-                theirs.close()
-                procs.append(_Proc(name, proc, mine, doomed=name == doomed))
+                # A press between the fork and the append would lose the child: the
+                # cleanup stops only the ranks in ``procs``.
+                with ctrl_c.held():
+                    proc.start()
+                    theirs.close()
+                    procs.append(_Proc(name, proc, mine, doomed=name == doomed))
 
             d_links = [ctx.Pipe(duplex=False) for _ in range(cfg.d_tp - 1)]  # (recv, send)
             p_links = [ctx.Pipe(duplex=False) for _ in range(cfg.p_tp - 1)]
