@@ -480,6 +480,35 @@ def test_an_early_completion_failed_by_prefill_still_learns_decode_registered(ba
     assert proxy.records(2, timeout=10.0)[-1]["early"] is True
 
 
+def test_a_failed_early_completion_still_teaches_what_its_decode_told(backends, proxy):
+    """C3: Prefill fails a completion dispatched early before Decode's rendezvous came, and
+    Decode, restarted elsewhere meanwhile, names its new endpoint in that rendezvous. The
+    proxy learns it all the same (and the room told with it, whose slots it counts free
+    again when the completion ends): the next completion goes early to the new endpoint
+    and succeeds. Before, that rendezvous was answered unread, and the next one went to the
+    old endpoint and failed."""
+    backends.keeps_local_prefix = True
+    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    backends.decode_port = 20001
+    backends.prefill_mode = "error"
+    backends.rendezvous_gate.clear()
+    backends.decode_release.clear()
+    entered = _when_waiting_for_decode(proxy)
+    t, result = _in_thread(proxy, {"model": "m", "prompt": [3], "max_tokens": 1})
+    assert entered.wait(10)  # Prefill failed it; the proxy waits for Decode's rendezvous
+    backends.rendezvous_gate.set()
+    t.join(15)
+    r = result["r"]
+    assert r.status_code == 502 and "prefill exploded" in r.text, r.text
+    assert backends.prefill_calls[-1]["body"]["kv_transfer_params"]["remote_port"] == 20000
+    backends.prefill_mode = "ok"
+    backends.decode_release.set()
+    r = complete(proxy, {"model": "m", "prompt": [5], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert backends.prefill_calls[-1]["body"]["kv_transfer_params"]["remote_port"] == 20001
+    assert [rec["early"] for rec in proxy.records(3, timeout=10.0)] == [False, True, True]
+
+
 def test_without_early_dispatch_prefill_waits_for_every_rendezvous(backends):
     backends.keeps_local_prefix = True
     proxy = make_proxy(backends, early_dispatch=False)

@@ -1030,9 +1030,12 @@ class DisaggProxy:
         job.parsed[i] = rdv
         if all(p is not None for p in job.parsed):
             self._every_rendezvous_came(job)
+        # What it tells holds whatever became of the completion: its slots are counted
+        # free again when it ends (it was admitted), so the room must be the one told with
+        # it taken, and a Decode restarted elsewhere must be known before the next early one.
+        self._learn_endpoint(job, rdv)
         if job.failure.done():
             return _already_failed(job, rdv)
-        self._learn_endpoint(job, rdv)
         named = _endpoint_of(rdv)
         if named != job.early or not rdv.keeps_local_prefix:
             message = (f"decode {job.decode} named endpoint {named} for "
