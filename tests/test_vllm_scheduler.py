@@ -207,6 +207,7 @@ class Side:
         self.load_errors: list[set[int]] = []
         self.layer_calls: list[tuple[str, str]] = []
         self.metas: list[Any] = []
+        self.scatter_hook = False  # Ascend's on_kv_cache_written once a layer's write is queued
 
     @property
     def half(self) -> Any:
@@ -237,6 +238,8 @@ class Side:
             for ext, positions, ids in spans:
                 for pos in positions:
                     self.kv[name][ids[pos]] = block_value(ext, layer, pos)
+            if self.scatter_hook:
+                self.worker.on_kv_cache_written(name)
             self.worker.save_kv_layer(name, self.kv[name], None)
             self.layer_calls.append(("save", name))
 
@@ -521,6 +524,50 @@ def test_prefill_tracks_chunks(pair, metaserver):
     assert p.half.wait_for_sends(WAIT) == []
     p.step()
     assert not p.sched.requests and p.free_blocks() == NUM_BLOCKS - 1
+
+
+def test_ascends_scatter_hook_publishes_after_an_event_of_the_layers_device(
+        pair, metaserver, monkeypatch):
+    """C4, M1: Ascend calls ``on_kv_cache_written(layer)`` once the layer's scatter is
+    queued on the NPU, without a tensor. Its READY must wait for an event recorded on that
+    layer's cache device; before, none was recorded, so Decode could read a write still
+    running. ``save_kv_layer`` after it publishes nothing again."""
+    from types import SimpleNamespace
+
+    from sfa_rd2h.runtime.vllm import worker as worker_mod
+
+    real = worker_mod._device_event
+    asked: list[Any] = []
+
+    def spy(kv_layer: Any) -> Any:
+        asked.append(kv_layer)
+        return real(kv_layer)
+
+    monkeypatch.setattr(worker_mod, "_device_event", spy)
+    p, d = pair()
+    p.scatter_hook = True
+    rid_d, rid_p = "cmpl-scatter-0-dddddddd", "cmpl-scatter-0-pppppppp"
+    start_decode(d, rid_d, 40, metaserver)
+    d.step()
+    d_blocks = d.block_ids(rid_d)
+    p.sched.add_request(prefill_request(rid_p, 40, rendezvous_for(metaserver,
+                                                                  "cmpl-scatter-0", 1)))
+    p.step()
+    assert [id(kv) for kv in asked] == [id(p.kv[name]) for name in LAYERS], asked
+    finish_decode(d, rid_d)
+    check_kv(p, d, rid_p, d_blocks)
+
+    class Event:
+        recorded = False
+
+        def record(self) -> None:
+            self.recorded = True
+
+    monkeypatch.setattr(torch, "fakenpu", SimpleNamespace(Event=Event), raising=False)
+    on_npu = SimpleNamespace(device=SimpleNamespace(type="fakenpu"))
+    event = real((on_npu, on_npu))  # a layer kept as (key, value), as Ascend keeps it
+    assert isinstance(event, Event) and event.recorded
+    assert real(p.kv[LAYERS[0]]) is None  # a CPU write has landed when the hook runs
 
 
 def test_prefill_holds_blocks_until_every_ready_is_answered(pair, metaserver):

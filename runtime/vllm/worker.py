@@ -314,6 +314,7 @@ class ProducerWorker:
         self.worker: PrefillWorker | None = None
         self.tracer: Tracer | None = None
         self.layer_idx: dict[str, int] = {}
+        self._kv_of: dict[str, Any] = {}  # layer -> its registered KV cache (its device)
         self.stats = _StatsBox()
         self._step = 0
         self._publishing = False  # this step carries a chunk: every layer is published
@@ -361,6 +362,7 @@ class ProducerWorker:
             raise
         self.engine = engine
         self.layer_idx = {name: i for i, name in enumerate(layers)}
+        self._kv_of = {name: kv_caches[name] for name in layers}
         self._last_written = [-1] * len(layers)
         log.info("RD2H Prefill rank %d: %d layers registered, engine %s at %s",
                  self.rank, len(layers), self.cfg.transfer_backend, engine.session_id)
@@ -493,11 +495,15 @@ class ProducerWorker:
             self._wait_slot(idx)
 
     def layer_written(self, layer_name: str, kv_layer: Any = None) -> None:
-        """The layer's KV landed (``save_kv_layer`` / ``on_kv_cache_written``): publish."""
+        """The layer's KV write is queued (``save_kv_layer`` / ``on_kv_cache_written``):
+        publish once it landed (C4)."""
         idx = self.layer_idx.get(layer_name)
         if idx is None or self.worker is None or not self._publishing or idx < self._written:
             return
-        self._publish_through(idx, _device_event(kv_layer))
+        # Ascend's hook passes no tensor, and its write may still be running on the NPU:
+        # the event is recorded on the current stream of the layer's own cache device.
+        self._publish_through(idx, _device_event(
+            kv_layer if kv_layer is not None else self._kv_of.get(layer_name)))
 
     def wait_for_save(self) -> None:
         self._finish_layers()
@@ -573,7 +579,10 @@ def enable_thread_dumps() -> bool:
 
 def _device_event(kv_layer: Any) -> Any:
     """C4: an event that signals when the layer's write landed; None for CPU tensors,
-    whose writes are complete when ``save_kv_layer`` runs."""
+    whose writes are complete when ``save_kv_layer`` runs. A (key, value) pair of tensors,
+    as Ascend keeps a layer, is on its first one's device."""
+    if isinstance(kv_layer, (tuple, list)) and kv_layer:
+        kv_layer = kv_layer[0]
     device = getattr(kv_layer, "device", None)
     if device is None or device.type == "cpu":
         return None
