@@ -8,7 +8,7 @@ job has done so (C3), the proxy dispatches the job once to a Prefill instance wi
 
 :class:`ProxyServer` is a small, real HTTP server for this flow (in-memory queues that the
 Prefill and Decode processes long-poll). :func:`post_rendezvous` is Decode's side of the
-rendezvous, retrying transport errors only (F1).
+rendezvous, retrying transport errors and a busy server's 503 only (F1).
 
 HTTP endpoints (all JSON; errors are ``{"error": "..."}`` with a 4xx/5xx status):
 
@@ -47,6 +47,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -306,9 +307,11 @@ def post_rendezvous(
     ``retries`` times, sleeping ``backoff * 2**k`` before retry ``k``; then
     :class:`MetaserverUnreachable` is raised. Attempt ``k`` waits up to ``timeout * 2**k``
     for its answer, cut to what is left of ``budget``: the time the attempts took together
-    (a refused connect takes none; the backoff sleeps are not counted). Any HTTP response,
-    4xx/5xx included, counts as delivered (old proxies answer errors for requests they did
-    accept) and is returned.
+    (a refused connect takes none; the backoff sleeps are not counted). A 503 Service
+    Unavailable is retried the same way: the server says it took nothing (too busy,
+    shutting down), and a repeated rendezvous is harmless (a duplicate is absorbed). Any
+    other HTTP response, 4xx/5xx included, counts as delivered (old proxies answer errors
+    for requests they did accept) and is returned.
     """
     _check_url(url)
     if retries < 0 or backoff < 0 or timeout <= 0:
@@ -338,13 +341,15 @@ def post_rendezvous(
                 log.warning(
                     "metaserver %s answered %s for %s", url, exc.code, rendezvous.request_id
                 )
-                return int(exc.code)
+                if exc.code != HTTPStatus.SERVICE_UNAVAILABLE:
+                    return int(exc.code)
+                last = exc
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             # URLError wraps connect-time failures; a timeout or reset while reading the
             # response surfaces as a bare OSError / HTTPException.
             last = exc
-            left -= clock() - started
-            log.info("metaserver %s attempt %d failed: %s", url, attempt + 1, exc)
+        left -= clock() - started
+        log.info("metaserver %s attempt %d failed: %s", url, attempt + 1, last)
     assert last is not None
     raise MetaserverUnreachable(url, attempts, last) from last
 

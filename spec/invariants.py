@@ -121,7 +121,8 @@ RULES: tuple[Rule, ...] = (
              "cached-token count for a whole prompt list) is dropped from every rank's "
              "share, and the rest is read as usual (T6)."),
     # Faults
-    _r("F1", "Metaserver transport errors are retried; an HTTP error response counts as "
+    _r("F1", "Metaserver transport errors and a 503 (a server that took nothing: busy, "
+             "shutting down) are retried; any other HTTP error response counts as "
              "delivered."),
     _r("F2", "A non-zero transfer result becomes READ_FAILED."),
     _r("F3", "Prefill and Decode agree on protocol and layout version at the handshake; a "

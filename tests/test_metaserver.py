@@ -510,6 +510,32 @@ def test_f1_http_error_response_counts_as_delivered() -> None:
         t.join(WAIT)
 
 
+def test_f1_a_busy_metaserver_is_asked_again_until_it_takes_the_rendezvous() -> None:
+    """Every handler of the metaserver is taken, so it answers 503 without reading the
+    rendezvous: a 503 says nothing was taken, and the client retries it like a transport
+    error (before, it counted as delivered, and the request waited out its deadline). Once
+    a handler is free, the retry is read (404 here: no job names this id)."""
+    with ProxyServer(max_handlers=2, max_poll_s=5.0) as proxy:
+        address = urllib.parse.urlsplit(proxy.url).netloc.rsplit(":", 1)
+        held = [socket.create_connection((address[0], int(address[1]))) for _ in range(2)]
+        slept: list[float] = []
+
+        def free_the_handlers(delay: float) -> None:
+            slept.append(delay)
+            while held:
+                held.pop().close()
+            time.sleep(delay)
+
+        try:
+            status = post_rendezvous(proxy.metaserver_url, _rdv("r-busy"), retries=8,
+                                     backoff=0.05, timeout=2.0, sleep=free_the_handlers)
+        finally:
+            for s in held:
+                s.close()
+        assert status == 404, status
+        assert slept, "answered before a handler was free: the connections were not held"
+
+
 def test_post_rendezvous_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="http"):
         post_rendezvous("ftp://x/v1/metaserver", _rdv("r-0"))

@@ -25,7 +25,7 @@ times in seconds):
 | `read_budget` | `30.0` | D: a read later than this after its READY arrived fails (S6) |
 | `request_deadline` | `300.0` | D: every contributor final by then, else the request fails (R1) |
 | `metaserver_timeout` | `2.0` | D: first rendezvous POST attempt, doubled per retry (F1) |
-| `metaserver_retries` | `5` | D: retries of a rendezvous POST on transport errors (F1) |
+| `metaserver_retries` | `5` | D: retries of a rendezvous POST on transport errors and 503 (F1) |
 | `metaserver_backoff` | `0.05` | D: first retry delay, doubled per retry (F1) |
 | `close_timeout` | `5.0` | how long `shutdown` waits for each worker thread |
 | `trace_dir` | `None` | write JSON-lines traces there, for `sfa-rd2h validate` |

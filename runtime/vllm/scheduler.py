@@ -57,9 +57,10 @@ def _group_ids(block_ids: Sequence[Sequence[int]], group: int | None) -> list[in
 class RendezvousPoster:
     """One background thread that POSTs rendezvous to metaservers (C1, F1).
 
-    ``post_rendezvous`` retries transport errors with backoff and counts any HTTP answer as
-    delivered (F1); a request whose rendezvous could not be delivered is reported through
-    :meth:`take_failures` so the scheduler can fail it on every TP rank alike.
+    ``post_rendezvous`` retries transport errors and a busy server's 503 with backoff and
+    counts any other HTTP answer as delivered (F1); a request whose rendezvous could not be
+    delivered is reported through :meth:`take_failures` so the scheduler can fail it on
+    every TP rank alike.
     """
 
     def __init__(self, cfg: Rd2hConfig) -> None:
