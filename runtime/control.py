@@ -103,6 +103,10 @@ class BindError(ControlPlaneError):
     """The Decode ROUTER could not bind its port (in use, bad address)."""
 
 
+class LanesClosed(ControlPlaneError):
+    """Decode is closing: no new transfer-engine read starts."""
+
+
 class WorkerTimeout(ControlPlaneError, TimeoutError):
     """A bounded wait on a worker expired; the message says what was still pending."""
 
@@ -712,7 +716,7 @@ class _ReadLanes:
     def submit(self, action: IssueRead) -> None:
         with self._lock:
             if self._closed:
-                raise ControlPlaneError(f"{self._name}: read lanes are closed")
+                raise LanesClosed(f"{self._name}: read lanes are closed")
             lane = self._lanes.get(action.session)
             if lane is None and len(self._lanes) >= self._max:
                 keys = sorted(self._lanes)
@@ -988,7 +992,12 @@ class DecodeWorker(_Worker):
             if isinstance(a, Send):
                 self._send(a)
             elif isinstance(a, IssueRead):
-                self._lanes.submit(a)  # its result comes back through _read_done
+                try:
+                    self._lanes.submit(a)  # its result comes back through _read_done
+                except LanesClosed as exc:
+                    # Closing: the reader still answers while the lanes drain, and a read
+                    # that can no longer start fails (F2) instead of ending this thread.
+                    self._read_done(a, exc)
             else:
                 self._callback(a)
 

@@ -1879,6 +1879,51 @@ def test_decode_close_is_bounded_and_says_what_held_it(
         ctx.term()
 
 
+def test_a_ready_that_arrives_while_decode_closes_is_answered_read_failed(
+        engines: tuple[HostEngine, HostEngine]) -> None:
+    """close() stops the read lanes first and lets their reads finish while the reader
+    still serves the socket. A READY arriving in that window can start no read: it is
+    answered READ_FAILED (F2), the read in flight still gets its READ_DONE, and close()
+    ends cleanly. Before, the refused read ended the reader thread with an error, and the
+    replies still owed were never sent."""
+    pe, de = engines
+    p = make_prefill(pe, 2, 2)
+    d = make_decode(de, 2)
+    reading, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def batch_transfer_sync_read(self, *args: Any) -> int:
+            reading.set()
+            assert release.wait(WAIT)
+            return 0
+
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Slow(), 0)  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    sock = _dealer(ctx, dw.port, b"prefill-0")
+    try:
+        sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)))
+        assert wire.decode_meta_reply(_recv(sock)).accepted
+        dw.register_request("r", [1], [1])
+        dw.register_request("s", [2], [2])
+        sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r", (1,), (1,)),),
+                                                  ())))
+        assert reading.wait(WAIT)
+        assert dw._lanes.close(0.0) is False  # close()'s first step: r's read still runs
+        sock.send(wire.encode(wire.ReadReadyBatch(1, "l1", (wire.ReadReq("s", (2,), (2,)),),
+                                                  ())))
+        refused = wire.decode(_recv(sock))
+        assert isinstance(refused, wire.ReadFailed) and refused.layer_idx == 1, refused
+        assert "read lanes are closed" in refused.error
+        release.set()
+        assert wire.decode(_recv(sock)) == wire.ReadDone(0)
+        assert _bounded(lambda: dw.close(WAIT)) == [None]
+    finally:
+        release.set()
+        sock.close()
+        dw.close()
+        ctx.term()
+
+
 def test_workers_close_their_own_context_and_leave_a_shared_one_open(
         engines: tuple[HostEngine, HostEngine]) -> None:
     """A context the caller passed stays usable after the workers close (the caller owns

@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -382,6 +383,34 @@ def test_malformed_batches_return_codes_instead_of_raising(
         assert reader.batch_transfer_sync_read(bad, [base], [a_addr], [16]) == (
             TransferResult.BAD_SESSION)
     assert (dst == SENTINEL).all()
+
+
+def test_each_thread_reads_the_reason_of_its_own_failed_read(
+    cma_peer: Peer, reader: HostEngine
+) -> None:
+    """Decode reads on several lanes of one engine at once: a lane that failed reads its
+    own reason, not that of another lane failing a moment later."""
+    _, base = _dest(reader, 4096)
+    a_addr = cma_peer.regions["array"][0]
+    both_failed = threading.Barrier(2, timeout=10)
+    seen: dict[str, tuple[int, str]] = {}
+
+    def fail(name: str, session: Any, lengths: list[Any]) -> None:
+        ret = reader.batch_transfer_sync_read(session, [base], [a_addr], lengths)
+        both_failed.wait()  # the other lane has failed too before this one looks
+        seen[name] = (ret, reader.last_error)
+
+    lanes = [threading.Thread(target=fail, args=("session", "nonsense", [16])),
+             threading.Thread(target=fail, args=("lengths", cma_peer.session, [-5]))]
+    for t in lanes:
+        t.start()
+    for t in lanes:
+        t.join(10)
+    assert seen["session"][0] == TransferResult.BAD_SESSION
+    assert seen["session"][1].startswith("BAD_SESSION"), seen
+    assert seen["lengths"][0] == TransferResult.BAD_DESCRIPTORS
+    assert seen["lengths"][1].startswith("BAD_DESCRIPTORS"), seen
+    assert reader.last_error == ""  # this thread's own calls did not fail
 
 
 def test_reader_refreshes_after_peer_registers_more_and_sees_unregister(

@@ -344,9 +344,19 @@ class TransferEngine(abc.ABC):
     #: Short name used by ``make_engine`` and in reports.
     name: str = "abstract"
 
-    def __init__(self) -> None:
-        #: Human-readable reason of the latest non-zero result, for logs and reports.
-        self.last_error: str = ""
+    @property
+    def last_error(self) -> str:
+        """Human-readable reason of the latest non-zero result of this thread's calls, for
+        logs and reports. Per thread: Decode reads on several lanes of one engine at once,
+        and each failure must be reported with its own reason."""
+        return getattr(self._errors(), "text", "")
+
+    @last_error.setter
+    def last_error(self, text: str) -> None:
+        self._errors().text = text
+
+    def _errors(self) -> threading.local:
+        return self.__dict__.setdefault("_last_errors", threading.local())
 
     @abc.abstractmethod
     def initialize(self, host: str = "127.0.0.1", port: int = 0) -> str:
