@@ -1806,6 +1806,26 @@ def test_a_failed_io_thread_is_logged_and_named_to_every_caller(
         dw.close()
 
 
+class _HeldRead:
+    """A transfer engine whose reads wait for ``release`` (``reading`` says one began)."""
+
+    def __init__(self) -> None:
+        self.reading, self.release = threading.Event(), threading.Event()
+
+    def batch_transfer_sync_read(self, *args: Any) -> int:
+        self.reading.set()
+        assert self.release.wait(WAIT)
+        return 0
+
+
+def _introduced(ctx: zmq.Context, dw: DecodeWorker, p: Prefill) -> zmq.Socket:
+    """A Prefill connection to ``dw`` whose MF_META was accepted."""
+    sock = _dealer(ctx, dw.port, b"prefill-0")
+    sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)))
+    assert wire.decode_meta_reply(_recv(sock)).accepted
+    return sock
+
+
 def test_decode_close_is_bounded_and_says_what_held_it(
         engines: tuple[HostEngine, HostEngine]) -> None:
     """close(timeout): a reader busy in a slow callback is waited for within the bound; one
@@ -1849,31 +1869,22 @@ def test_decode_close_is_bounded_and_says_what_held_it(
         dw.close()
 
     # A read that does not return.
-    reading, release = threading.Event(), threading.Event()
-
-    class Stuck:
-        def batch_transfer_sync_read(self, *args: Any) -> int:
-            reading.set()
-            assert release.wait(WAIT)
-            return 0
-
-    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Stuck(), 0)  # type: ignore[arg-type]
+    stuck = _HeldRead()
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), stuck, 0)  # type: ignore[arg-type]
     ctx = zmq.Context()
-    sock = _dealer(ctx, dw.port, b"prefill-0")
+    sock = _introduced(ctx, dw, p)
     try:
-        sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)))
-        assert wire.decode_meta_reply(_recv(sock)).accepted
         dw.register_request("r", [1], [1])
         sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r", (1,), (1,)),),
                                                   ("r",))))
-        assert reading.wait(WAIT)
+        assert stuck.reading.wait(WAIT)
         [exc] = _bounded(lambda: dw.close(0.05))
         assert isinstance(exc, ControlPlaneError)
         # the stuck read is named first; a reader thread late under load is added after it
         assert str(exc).startswith(
             "decode 0: a transfer-engine read did not finish within 0.05s"), str(exc)
     finally:
-        release.set()
+        stuck.release.set()
         sock.close()
         dw.close()
         ctx.term()
@@ -1889,36 +1900,27 @@ def test_a_ready_that_arrives_while_decode_closes_is_answered_read_failed(
     pe, de = engines
     p = make_prefill(pe, 2, 2)
     d = make_decode(de, 2)
-    reading, release = threading.Event(), threading.Event()
-
-    class Slow:
-        def batch_transfer_sync_read(self, *args: Any) -> int:
-            reading.set()
-            assert release.wait(WAIT)
-            return 0
-
-    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), Slow(), 0)  # type: ignore[arg-type]
+    slow = _HeldRead()
+    dw = DecodeWorker(DecodeCore(0, 1, d.layouts), slow, 0)  # type: ignore[arg-type]
     ctx = zmq.Context()
-    sock = _dealer(ctx, dw.port, b"prefill-0")
+    sock = _introduced(ctx, dw, p)
     try:
-        sock.send(wire.encode(wire.MfMeta("127.0.0.1:1", p.layers, wire.PROTOCOL_VERSION)))
-        assert wire.decode_meta_reply(_recv(sock)).accepted
         dw.register_request("r", [1], [1])
         dw.register_request("s", [2], [2])
         sock.send(wire.encode(wire.ReadReadyBatch(0, "l0", (wire.ReadReq("r", (1,), (1,)),),
                                                   ())))
-        assert reading.wait(WAIT)
+        assert slow.reading.wait(WAIT)
         assert dw._lanes.close(0.0) is False  # close()'s first step: r's read still runs
         sock.send(wire.encode(wire.ReadReadyBatch(1, "l1", (wire.ReadReq("s", (2,), (2,)),),
                                                   ())))
         refused = wire.decode(_recv(sock))
         assert isinstance(refused, wire.ReadFailed) and refused.layer_idx == 1, refused
         assert "read lanes are closed" in refused.error
-        release.set()
+        slow.release.set()
         assert wire.decode(_recv(sock)) == wire.ReadDone(0)
         assert _bounded(lambda: dw.close(WAIT)) == [None]
     finally:
-        release.set()
+        slow.release.set()
         sock.close()
         dw.close()
         ctx.term()
