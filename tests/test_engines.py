@@ -1588,8 +1588,9 @@ def _stale(reply: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
                              "reply"),
     (lambda r: _stale(r, "boot", "another-boot"), "{s} runs on another host: " +
                                                   host_mod.ACROSS_HOSTS),
-    (lambda r: _stale(r, "pidns", r["pidns"] + 1), "{s} is in another pid namespace; CMA "
-                                                   "cannot address it"),
+    (lambda r: _stale(r, "pidns", r["pidns"] + 1),
+     "registry at {s} refused: it says it is in another pid namespace, but pid {pid} of this "
+     "one holds the registry socket that answered"),
     (lambda r: _stale(r, "lens", r["lens"][1:]), "unusable registry reply from {s}: ranges and "
                                                  "lengths differ in count"),
     (lambda r: _stale(r, "pid", 0), "registry at {s} refused: it names no valid pid (0)"),
@@ -1908,7 +1909,7 @@ def test_a_registry_frame_arriving_in_pieces_is_assembled_in_order() -> None:
 @pytest.mark.parametrize(("answer", "why"), [
     (b"", "peer closed the registry connection"),
     (b"\x00\x00\x00\x10short", "peer closed the registry connection"),
-    (b"\x7f\x00\x00\x00", f"registry frame of {0x7F000000} bytes exceeds {64 << 20}"),
+    (b"\x7f\x00\x00\x00", f"registry frame of {0x7F000000} bytes exceeds {host_mod._MAX_FRAME}"),
 ], ids=["hang-up", "cut-short", "oversized"])
 def test_a_registry_that_hangs_up_or_oversends_is_unreachable(answer: bytes, why: str) -> None:
     import threading
@@ -2016,7 +2017,8 @@ def test_the_registry_drops_a_failed_client_at_once_and_keeps_an_answered_one_a_
             garbage = _ask(port, raw=b"\xff\xff\xff\xffgarbage")
             assert _closed_by_registry_within(garbage, 10.0)
         assert [r.getMessage() for r in caplog.records] == [
-            f"registry client dropped: registry frame of 4294967295 bytes exceeds {64 << 20}"]
+            f"registry client dropped: registry frame of 4294967295 bytes exceeds "
+            f"{host_mod._MAX_REQUEST}"]
         assert not _closed_by_registry_within(answered, 0.2)  # still lingering
         answered.shutdown(socket.SHUT_WR)  # the reader is done with it: the registry lets go
         assert _closed_by_registry_within(answered, 10.0)
@@ -2039,8 +2041,136 @@ def test_the_registry_drops_a_failed_client_at_once_and_keeps_an_answered_one_a_
         eng.close()
 
 
+def _trickle(sock: socket.socket, stop: threading.Event) -> None:
+    """Send a byte every 0.1 s (well inside any receive timeout here) until ``stop`` or the
+    other end gives up: a peer that is slow but never silent."""
+    try:
+        while not stop.wait(0.1):
+            sock.sendall(b"\x90")
+    except OSError:
+        pass
+
+
+def _read_back(owner: HostEngine, src: np.ndarray) -> None:
+    """A fresh reader of ``owner`` copies ``src`` (registered there) whole."""
+    reader = HostEngine(mode="cma", timeout=5.0)
+    try:
+        dst, base = _dest(reader, src.nbytes)
+        assert reader.batch_transfer_sync_read(owner.session_id, [base],
+                                               [int(src.ctypes.data)], [src.nbytes]) == 0, \
+            reader.last_error
+        assert (dst == src).all()
+    finally:
+        reader.close()
+
+
+def test_a_trickling_registry_client_is_cut_at_its_deadline_and_others_are_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends its request a byte now and then, each within the per-receive
+    timeout, is cut once the whole request's time is up, and an honest reader is served
+    after it. Before, each byte restarted the clock: one such client held the registry's
+    only thread, and every reader of that Prefill failed meanwhile. A request frame larger
+    than any request is refused before it is read."""
+    import struct
+
+    monkeypatch.setattr(host_mod, "REGISTRY_IO_S", 0.5)
+    eng = HostEngine(timeout=5.0)
+    stop = threading.Event()
+    try:
+        port = int(eng.initialize("127.0.0.1").rsplit(":", 1)[1])
+        src = pattern(4096, 6).copy()
+        eng.register_memory(int(src.ctypes.data), src.nbytes)
+        slow = _ask(port, raw=struct.pack(">I", 100))
+        threading.Thread(target=_trickle, args=(slow, stop), daemon=True).start()
+        _read_back(eng, src)
+        assert _closed_by_registry_within(slow, 10.0)
+        with _ask(port, raw=struct.pack(">I", host_mod._MAX_REQUEST + 1)) as big:
+            assert _closed_by_registry_within(big, 10.0)
+            assert big.recv(1) == b""  # no answer: dropped unread
+    finally:
+        stop.set()
+        eng.close()
+
+
+def test_a_registry_that_answers_a_byte_at_a_time_fails_the_read_at_the_deadline() -> None:
+    """The reader's registry round trip is bounded as a whole (connect, ask, answer), not
+    per receive: a registry that keeps sending a byte now and then fails the read when the
+    engine's timeout is up."""
+    import struct
+
+    stop = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def registry() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                host_mod._recv_frame(conn)
+                conn.sendall(struct.pack(">I", 1000))
+                _trickle(conn, stop)
+
+        server = threading.Thread(target=registry, daemon=True)
+        server.start()
+        reader = HostEngine(mode="cma", timeout=1.0)
+        try:
+            _, base = _dest(reader, 64)
+            t0 = time.monotonic()
+            ret = reader.batch_transfer_sync_read(f"127.0.0.1:{port}", [base], [4096], [64])
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            reader.close()
+        server.join(10)
+    assert ret == TransferResult.PEER_UNREACHABLE, reader.last_error
+    assert reader.last_error.startswith("PEER_UNREACHABLE: no registry answers at "), \
+        reader.last_error
+    assert took < 3.0, took  # one timeout and a margin; each byte restarted it before
+
+
+def test_a_registry_in_this_pid_namespace_that_claims_another_is_refused_in_shm_mode(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """In shm mode a peer in another pid namespace is read (its pid cannot be checked from
+    here), so a registry could claim one to skip the check that its pid holds the socket
+    that answered, and point the reader at any process's segments. The process holding
+    that socket is visible here and in this namespace: the claim is refused, nothing is
+    copied."""
+    owner = HostEngine(mode="shm", timeout=2.0)
+    reader = HostEngine(mode="shm", timeout=2.0)
+    try:
+        owner.initialize("127.0.0.1")
+        addr, src = owner.allocate(4096)
+        src[:] = pattern(4096, 7)
+        base, dst = reader.allocate(4096)
+        dst.fill(SENTINEL)
+        assert owner._server is not None
+        honest = owner._describe
+        assert reader.batch_transfer_sync_read(owner.session_id, [base], [addr], [4096]) == 0
+        assert (dst == src).all()  # the honest answer is read
+        reader2 = HostEngine(mode="shm", timeout=2.0)  # no cached view of the owner
+        try:
+            base2, dst2 = reader2.allocate(4096)
+            dst2.fill(SENTINEL)
+            owner._server._describe = lambda: {**honest(), "pidns": honest()["pidns"] + 1}
+            ret = reader2.batch_transfer_sync_read(owner.session_id, [base2], [addr], [4096])
+            assert ret == TransferResult.PEER_UNREACHABLE
+            assert reader2.last_error == (
+                f"PEER_UNREACHABLE: registry at {owner.session_id} refused: it says it is in "
+                f"another pid namespace, but pid {os.getpid()} of this one holds the "
+                "registry socket that answered")
+            assert (dst2 == SENTINEL).all()
+        finally:
+            reader2.close()
+    finally:
+        reader.close()
+        owner.close()
+
+
 def test_the_registry_keeps_at_most_max_lingering_lines_and_closes_them_on_stop(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answered connections stay open for their readers to verify, at most
+    ``_MAX_LINGERING``: one more lets the oldest go, so clients that ask and never close
+    cannot make every later reader's check fail (before, the newest was closed at once,
+    and its honest reader found the socket orphaned)."""
     monkeypatch.setattr(host_mod, "REGISTRY_IO_S", 30.0)
     monkeypatch.setattr(host_mod, "_MAX_LINGERING", 2)
     eng = HostEngine(timeout=30.0)
@@ -2050,10 +2180,13 @@ def test_the_registry_keeps_at_most_max_lingering_lines_and_closes_them_on_stop(
         for _ in range(3):
             lines.append(_ask(port))
             assert host_mod._recv_frame(lines[-1])["pid"] == os.getpid()
-        assert _closed_by_registry_within(lines[2], 10.0)  # one too many: not kept
-        assert not _closed_by_registry_within(lines[0], 0.2)
+        assert _closed_by_registry_within(lines[0], 10.0)  # one too many: the oldest goes
         assert not _closed_by_registry_within(lines[1], 0.2)
-        for c in lines[:2]:  # their readers are done: the registry lets them go
+        assert not _closed_by_registry_within(lines[2], 0.2)
+        src = pattern(4096, 5).copy()
+        eng.register_memory(int(src.ctypes.data), src.nbytes)
+        _read_back(eng, src)  # both places held by clients that never close: it verifies
+        for c in lines[1:3]:  # their readers are done: the registry lets them go
             c.shutdown(socket.SHUT_WR)
             assert _closed_by_registry_within(c, 10.0)
         for _ in range(2):  # which leaves room for two more

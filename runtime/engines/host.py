@@ -69,7 +69,10 @@ _PIECE_BYTES = 256 << 20
 _GROUP_BYTES = 1 << 30
 _SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^sfa_rd2h\.[0-9]+\.[0-9a-f]+\.(ctl|[0-9]+)$")
-_MAX_FRAME = 64 << 20
+# A registry answer is a few numbers per registered region; decoding one can take ~70x its
+# size (a frame of empty arrays), so the bound keeps a hostile answer to tens of MB.
+_MAX_FRAME = 1 << 20
+_MAX_REQUEST = 4096  # {"op": "describe", "v": 1}, with room to grow
 _WIRE_VERSION = 1
 _MAX_LINGERING = 64  # answered registry connections kept open for their reader to verify
 # Said wherever a reader turns out not to share this host with its peer: the host engine
@@ -208,6 +211,19 @@ def _holds_socket(pid: int, inode: int) -> bool:
     except OSError:
         return False
     return False
+
+
+def _socket_holders(inode: int) -> list[int]:
+    """Every process visible here that has the socket ``inode`` open."""
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    return [pid for pid in pids if _holds_socket(pid, inode)]
+
+
+def _pidns_of(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _is_local_client(conn: socket.socket) -> bool:
@@ -387,11 +403,19 @@ def _send_frame(sock: socket.socket, obj: Any) -> None:
     sock.sendall(struct.pack(">I", len(body)) + body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with ``deadline`` (monotonic) all of them by then, so a peer sending a
+    byte now and then cannot stretch one frame past it (``settimeout`` bounds each receive
+    only)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"registry frame incomplete: {got} of {n} bytes in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("peer closed the registry connection")
@@ -399,11 +423,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> Any:
-    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if length > _MAX_FRAME:
-        raise ValueError(f"registry frame of {length} bytes exceeds {_MAX_FRAME}")
-    return msgpack.unpackb(_recv_exact(sock, length), raw=False)
+def _recv_frame(sock: socket.socket, deadline: float | None = None,
+                limit: int | None = None) -> Any:
+    bound = _MAX_FRAME if limit is None else limit
+    (length,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if length > bound:
+        raise ValueError(f"registry frame of {length} bytes exceeds {bound}")
+    return msgpack.unpackb(_recv_exact(sock, length, deadline), raw=False)
 
 
 class _RegistryServer:
@@ -453,11 +479,15 @@ class _RegistryServer:
                         continue
                     except OSError:
                         return
-                    if self._serve(conn) and len(lingering) < _MAX_LINGERING:
-                        lingering[conn] = time.monotonic() + self._io_timeout
-                        self._sel.register(conn, selectors.EVENT_READ, "linger")
-                    else:
+                    if not self._serve(conn):
                         conn.close()
+                        continue
+                    if len(lingering) >= _MAX_LINGERING:
+                        # Its reader has had the longest to verify: clients that connect
+                        # and never close cannot keep every later reader from verifying.
+                        self._drop(min(lingering, key=lingering.__getitem__), lingering)
+                    lingering[conn] = time.monotonic() + self._io_timeout
+                    self._sel.register(conn, selectors.EVENT_READ, "linger")
         finally:
             for conn in list(lingering):
                 self._drop(conn, lingering)
@@ -474,7 +504,7 @@ class _RegistryServer:
         """Answer one query; True when the answer went out (the reader may now verify)."""
         conn.settimeout(self._io_timeout)
         try:
-            req = _recv_frame(conn)
+            req = _recv_frame(conn, time.monotonic() + self._io_timeout, _MAX_REQUEST)
             if not _is_local_client(conn):
                 reply = {"error": f"the host engine serves readers on this host only: "
                                   f"{ACROSS_HOSTS}"}
@@ -731,10 +761,11 @@ class HostEngine(TransferEngine):
     def _fetch(self, session: str, host: str, port: int) -> _PeerView | tuple[TransferResult, str]:
         """Ask the peer's registry for its current registrations (one bounded round trip)."""
         try:
+            deadline = time.monotonic() + self._timeout  # the whole round trip
             with socket.create_connection((host, port), timeout=self._timeout) as sock:
-                sock.settimeout(self._timeout)
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 _send_frame(sock, {"op": "describe", "v": _WIRE_VERSION})
-                reply = _recv_frame(sock)
+                reply = _recv_frame(sock, deadline)
                 # Verified while the connection is open: the registry keeps its end until
                 # we close ours, so the socket it answered on is still in its fd table.
                 refused = self._unproven(reply, _server_socket_inode(sock))
@@ -771,8 +802,18 @@ class HostEngine(TransferEngine):
         pid = reply["pid"]
         if type(pid) is not int or pid <= 0:
             return f"it names no valid pid ({pid!r})"
-        if reply.get("pidns") == _host_identity()[1] and not _holds_socket(pid, server_inode):
-            return f"pid {pid} does not hold the registry socket that answered"
+        ours = _host_identity()[1]
+        if reply.get("pidns") == ours:
+            if not _holds_socket(pid, server_inode):
+                return f"pid {pid} does not hold the registry socket that answered"
+        else:
+            # Its pid cannot be checked from here, but whoever holds its socket and is
+            # visible from here can: one in this namespace is not where it says it lives.
+            liar = next((h for h in _socket_holders(server_inode) if _pidns_of(h) == ours),
+                        None)
+            if liar is not None:
+                return (f"it says it is in another pid namespace, but pid {liar} of this one "
+                        "holds the registry socket that answered")
         prefix = f"sfa_rd2h.{pid}."
         names = [str(reply.get("ctl", ""))] + [str(seg[0]) for seg in reply.get("shm") or ()
                                                 if isinstance(seg, list | tuple) and seg]
