@@ -636,8 +636,11 @@ class _Handler(BaseHTTPRequestHandler):
         EOF or a reset means it is gone. A write to a dead peer can still succeed into the
         kernel's buffer, so this is asked before the work is written, not after."""
         try:
-            # select first: with a socket timeout set, recv would wait for data up to it
-            if not select.select([self.connection], [], [], 0)[0]:
+            # poll first: with a socket timeout set, recv would wait for data up to it
+            # (poll, not select: a socket numbered past 1024 is past what select takes)
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN)
+            if not poller.poll(0):
                 return True  # nothing to read: a live client waiting for its answer
             return self.connection.recv(1, socket.MSG_PEEK) != b""
         except (OSError, ValueError):

@@ -1,9 +1,11 @@
 """Waiting for processes to end without polling: a pidfd turns readable when its process
-exits, so a deadline-bounded ``select`` on pidfds sleeps until then."""
+exits, so a deadline-bounded ``poll`` on pidfds sleeps until then (``poll``, not ``select``:
+a process with more than 1024 files open gets pidfds ``select`` cannot take)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import time
@@ -28,13 +30,17 @@ def pidfds(pids: Iterable[int]) -> Iterator[dict[int, int]]:
 def wait_exit(fds: Iterable[int], deadline: float) -> bool:
     """Wait until every pidfd of ``fds`` reports its process exited, or ``deadline``
     (``time.monotonic()``) passes; True if all did."""
-    pending = list(fds)
+    pending = set(fds)
+    poller = select.poll()
+    for fd in pending:
+        poller.register(fd, select.POLLIN)
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        ready, _, _ = select.select(pending, [], [], left)
-        pending = [fd for fd in pending if fd not in ready]
+        for fd, _ in poller.poll(max(1, math.ceil(left * 1000))):
+            pending.discard(fd)
+            poller.unregister(fd)
     return True
 
 

