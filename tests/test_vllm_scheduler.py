@@ -426,6 +426,32 @@ def test_decode_waits_for_remote_kv_then_decodes(pair, metaserver, tmp_path):
     assert report.files == 2 and report.ok, report.summary()
 
 
+def test_a_request_is_counted_once_whatever_the_tp_size(pair, metaserver):
+    """vLLM sums the stats of every TP rank, and every rank reaches the same outcome (R2):
+    counting requests and their block positions on rank 0 alone keeps ``requests_received``
+    a count of requests (before, TP x as many), while each rank's bytes and reads are its
+    own."""
+    p, d = pair()
+    p.half.rank = d.half.rank = 1  # as a second TP rank would (used only for counting now)
+    rid_d, rid_p = "cmpl-rank1-0-dddddddd", "cmpl-rank1-0-pppppppp"
+    start_decode(d, rid_d, 40, metaserver)
+    d.step()
+    p.sched.add_request(prefill_request(rid_p, 40, rendezvous_for(metaserver,
+                                                                  "cmpl-rank1-0", 1)))
+    p.step()
+    out = finish_decode(d, rid_d)
+    assert str(out.finish_reason) == "length"
+    assert p.half.wait_for_sends(WAIT) == []
+    p.step()
+    assert rid_p not in p.sched.requests  # sent, and released, as on rank 0
+    counted = {"requests_received", "blocks_received", "requests_failed", "requests_sent",
+               "blocks_sent"}
+    assert not counted & set(d.stats.data["counters"]), d.stats.data
+    assert not counted & set(p.stats.data["counters"]), p.stats.data
+    assert d.stats.data["counters"]["bytes_read"] == 3 * len(LAYERS) * 2048
+    assert d.stats.data["counters"]["reads"] > 0
+
+
 def test_decode_agrees_only_while_a_request_awaits_its_outcome(pair, metaserver):
     """R2's agreement round is a collective over vLLM's TP group at TP > 1 (about 1.6 ms a
     step at TP=2 on this loaded machine, as long as a decode step here): it runs only in
@@ -944,6 +970,12 @@ def build(model_dir: str, role: str, extra: dict[str, Any], *, kv_port: int | No
      "kv_connector_extra_config['read_budget']=60.0: must be below reply_timeout=60"),
     ("kv_consumer", {**HOST, "destination_wait": 40.0}, None,
      "kv_connector_extra_config['destination_wait']=40.0: must be below read_budget=30"),
+    # every rendezvous POST would be refused: its attempts share a 30 s budget (F1)
+    ("kv_consumer", {**HOST, "metaserver_timeout": 60.0}, None,
+     "kv_connector_extra_config['metaserver_timeout']=60.0: must be at most 30"),
+    # "forever" as a huge number would overflow a wait inside vLLM's forward pass
+    ("kv_producer", {**HOST, "layer_send_timeout": 1e10}, None,
+     "kv_connector_extra_config['layer_send_timeout']=10000000000.0: must be at most 1e+06"),
 ])
 def test_configuration_errors_name_the_key_and_value(model_dir, role, extra, kv_port,
                                                      message):
@@ -951,6 +983,19 @@ def test_configuration_errors_name_the_key_and_value(model_dir, role, extra, kv_
         build(model_dir, role, extra, kv_port=kv_port)
     assert isinstance(err.value, ProtocolError)
     assert message in str(err.value)
+
+
+def test_decode_ports_follow_the_replicas_own_dp_rank(model_dir):
+    """P1: a DP replica's base port is kv_port + its DP rank * its TP size. vLLM resets
+    data_parallel_rank to 0 in every replica of a dense model (they run independently) and
+    keeps the replica's rank in data_parallel_index: replica 1 must not take replica 0's
+    ports."""
+    from sfa_rd2h.runtime.vllm.config import parse_config
+
+    vc = make_config(model_dir, "kv_consumer", 31000, HOST)
+    vc.parallel_config.data_parallel_index = 1
+    vc.parallel_config.data_parallel_rank = 0  # as reconfigure_for_independent_dp_rank
+    assert parse_config(vc).base_port == 31001
 
 
 def test_a_decode_port_in_use_fails_at_start_up(model_dir):
@@ -1213,8 +1258,19 @@ def test_token_and_curve_keys_come_from_files_and_never_show(
         ("kv_consumer", {"curve_allowed_keys_file": str(files["allow"])},
          "curve_allowed_keys_file", "needs curve_secret_key_file"),
     ]
+    files["two-lines"] = tmp_path / "two-lines"
+    files["two-lines"].write_text("s3cret-token\n# rotated 2026-12\n")
+    refusals.append(("kv_consumer", {"metaserver_token_file": str(files["two-lines"])},
+                     "metaserver_token_file", "holds more than one line"))
     for role, extra, key, words in refusals:
         with pytest.raises(ConnectorConfigError) as info:
             parse(role, **extra)
         assert key in str(info.value) and words in str(info.value), info.value
         assert decode_sec.decode()[10:] not in str(info.value)  # the file, not its contents
+        assert "s3cret-token" not in str(info.value)
+    # from the environment: the variable is named, never its value
+    monkeypatch.setenv("SFA_RD2H_METASERVER_TOKEN", "from-env\nsecond-line")
+    with pytest.raises(ConnectorConfigError) as info:
+        parse("kv_consumer")
+    assert str(info.value) == ("SFA_RD2H_METASERVER_TOKEN='(not shown)': holds more than one "
+                               "line: the token must be one line of printable text")

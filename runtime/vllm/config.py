@@ -24,7 +24,7 @@ times in seconds):
 | `destination_wait` | `10.0` | D: how long a READY waits for its request's destinations (C1) |
 | `read_budget` | `30.0` | D: a read later than this after its READY arrived fails (S6) |
 | `request_deadline` | `300.0` | D: every contributor final by then, else the request fails (R1) |
-| `metaserver_timeout` | `2.0` | D: first rendezvous POST attempt, doubled per retry (F1) |
+| `metaserver_timeout` | `2.0` | D: first rendezvous POST attempt, doubled per retry (F1); <= 30 |
 | `metaserver_retries` | `5` | D: retries of a rendezvous POST on transport errors and 503 (F1) |
 | `metaserver_backoff` | `0.05` | D: first retry delay, doubled per retry (F1) |
 | `close_timeout` | `5.0` | how long `shutdown` waits for each worker thread |
@@ -33,6 +33,9 @@ times in seconds):
 | `curve_secret_key_file` | `None` | this engine's ZMQ CURVE secret key (Z85); turns CURVE on |
 | `curve_server_key_file` | `None` | P: Decode's CURVE public key (Z85), required with CURVE |
 | `curve_allowed_keys_file` | `None` | D: the Prefill public keys it admits, one per line |
+
+Every timeout is a finite number of seconds above 0 and at most ``MAX_SECONDS`` (1e6). The
+token is one line of printable text.
 
 Top-level keys that are validated too: ``kv_role`` (``kv_producer`` = Prefill, ``kv_consumer``
 = Decode), ``kv_port`` (Decode's ``kv_port + global_dp_rank * tp`` .. ``+ tp - 1`` must be valid
@@ -53,7 +56,12 @@ import zmq
 from zmq.utils import z85
 
 from sfa_rd2h.runtime.engines import ENGINE_NAMES
-from sfa_rd2h.runtime.metaserver import TOKEN_ENV, Rendezvous, RendezvousError
+from sfa_rd2h.runtime.metaserver import (
+    RENDEZVOUS_BUDGET_S,
+    TOKEN_ENV,
+    Rendezvous,
+    RendezvousError,
+)
 from sfa_rd2h.spec.errors import ProtocolError, TopologyError
 from sfa_rd2h.spec.topology import TpMapping, decode_base_port, decode_rank_port, tp_mapping
 
@@ -156,6 +164,11 @@ class Rd2hConfig:
         return decode_rank_port(self.base_port, tp_rank, self.mapping.d_tp)
 
 
+#: The longest timeout accepted (about 11.6 days): "forever" written as a huge number would
+#: overflow the waits it bounds (``threading.TIMEOUT_MAX``) inside vLLM's forward pass.
+MAX_SECONDS = 1e6
+
+
 def _number(extra: Mapping[str, Any], key: str, *, integer: bool = False,
             minimum: float = 0.0, strict: bool = True) -> Any:
     value = extra.get(key, DEFAULTS[key])
@@ -166,6 +179,8 @@ def _number(extra: Mapping[str, Any], key: str, *, integer: bool = False,
     if value < minimum or (strict and value == minimum):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
         raise ConnectorConfigError(_extra(key), value, f"must be {bound}")
+    if not integer and value > MAX_SECONDS:
+        raise ConnectorConfigError(_extra(key), value, f"must be at most {MAX_SECONDS:g} s")
     return value if integer else float(value)
 
 
@@ -236,6 +251,14 @@ def _secrets(extra: Mapping[str, Any], role: str) -> dict[str, Any]:
     if token_text is not None and not token:
         raise ConnectorConfigError(_extra("metaserver_token_file"),
                                    extra["metaserver_token_file"], "is empty")
+    if token and not token.isprintable():
+        # A line break in a header is refused by the HTTP client, in an error that quotes
+        # the header - the token - into every log line that reports the failed POST.
+        why = "holds more than one line: the token must be one line of printable text"
+        if token_text is not None:
+            raise ConnectorConfigError(_extra("metaserver_token_file"),
+                                       extra["metaserver_token_file"], why)
+        raise ConnectorConfigError(TOKEN_ENV, "(not shown)", why)
     out: dict[str, Any] = {"metaserver_token": token or None}
     secret_text = _read_file(extra, "curve_secret_key_file")
     others = [k for k in _CURVE_ROLE if extra.get(k) is not None]
@@ -320,7 +343,9 @@ def parse_config(vllm_config: Any, *, n_groups: int | None = None) -> Rd2hConfig
     if not isinstance(host, str) or not host:
         raise ConnectorConfigError(_extra("host"), host, "must be a non-empty host name")
     kv_port = ktc.kv_port
-    dp_rank = int(par.data_parallel_rank)
+    # The replica's own DP rank: vLLM resets data_parallel_rank to 0 in every replica of a
+    # dense model (they run independently) and keeps it in data_parallel_index (P1).
+    dp_rank = int(getattr(par, "data_parallel_index", par.data_parallel_rank))
     if not producer:
         try:
             decode_base_port(kv_port, dp_rank, d_tp)
@@ -344,6 +369,11 @@ def parse_config(vllm_config: Any, *, n_groups: int | None = None) -> Rd2hConfig
         raise ConnectorConfigError(_extra("trace_dir"), trace_dir, "must be a folder path")
 
     timeouts = {k: _number(extra, k) for k in _TIMEOUTS}
+    if timeouts["metaserver_timeout"] > RENDEZVOUS_BUDGET_S:
+        raise ConnectorConfigError(
+            _extra("metaserver_timeout"), timeouts["metaserver_timeout"],
+            f"must be at most {RENDEZVOUS_BUDGET_S:g}: every attempt to post a rendezvous "
+            "shares that budget (F1), and a first attempt longer than it posts nothing")
     if timeouts["layer_send_timeout"] <= timeouts["reply_timeout"]:
         raise ConnectorConfigError(
             _extra("layer_send_timeout"), timeouts["layer_send_timeout"],

@@ -136,7 +136,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def shutdown(self) -> None:
-        for half in (self.consumer_scheduler, self.consumer_worker, self.producer_worker):
+        for half in (self.consumer_scheduler, self.producer_scheduler, self.consumer_worker,
+                     self.producer_worker):
             if half is not None:
                 half.shutdown()
 

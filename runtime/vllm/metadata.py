@@ -106,7 +106,11 @@ COUNTERS = (
 
 @dataclass
 class Rd2hStats(KVConnectorStats):
-    """Transfer counters plus per-layer read time, summed over TP ranks and steps.
+    """Transfer counters plus per-layer read time, summed over TP ranks and steps. The
+    counts of requests and of their block positions (``requests_received``,
+    ``requests_failed``, ``requests_sent``, ``blocks_received``, ``blocks_sent``) are TP
+    rank 0's alone, so each request counts once; bytes, reads, failures and abandonments
+    are every rank's own.
 
     ``data = {"counters": {name: number}, "layer_read_s": {layer: [seconds, count]}}``.
     On Decode the per-layer time runs from the batched read's issue to its result; on

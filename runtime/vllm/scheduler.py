@@ -296,6 +296,10 @@ class ProducerScheduler:
         self.reporter = FailureReporter("Prefill scheduler", timeout=cfg.metaserver_timeout,
                                         token=cfg.metaserver_token)
 
+    def shutdown(self) -> None:
+        """Send the reports of refused requests that are due, within the bound."""
+        self.reporter.close(self.cfg.close_timeout)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         params = request.kv_transfer_params

@@ -408,7 +408,8 @@ class ProducerWorker:
                 self._finish(chunk.req_id)
                 continue
             lo, hi = w.chunk(ext) or (0, 0)
-            self.stats.add("blocks_sent", hi - lo)
+            if self.rank == 0:  # the same positions on every rank: counted once
+                self.stats.add("blocks_sent", hi - lo)
             self._last_published[chunk.req_id] = self._step
             self._publishing = True
         for req_id, held in meta.finished.items():
@@ -529,7 +530,8 @@ class ProducerWorker:
             if last < 0 or last < oldest or all(layer_ok(i, last) for i in range(n_layers)):
                 del self._held[req_id]
                 done.add(req_id)
-        self.stats.add("requests_sent", len(done))
+        if self.rank == 0:  # every rank holds the same requests: count them once (R2)
+            self.stats.add("requests_sent", len(done))
         return done
 
     def take_stats(self) -> Rd2hStats | None:
@@ -744,11 +746,16 @@ class ConsumerWorker:
             report_to = self._report_to.pop(req_id, None)
             cancelled = req_id in self._cancelled
             self._cancelled.discard(req_id)
+            # Every rank reaches the same outcome (R2) and vLLM sums the ranks' stats: the
+            # request's own counts are rank 0's alone, so they count requests, not ranks.
+            counts = self.rank == 0
             if done.ok:
-                self.stats.add("requests_received")
-                self.stats.add("blocks_received", int(blocks.size))
+                if counts:
+                    self.stats.add("requests_received")
+                    self.stats.add("blocks_received", int(blocks.size))
                 continue
-            self.stats.add("requests_failed")
+            if counts:
+                self.stats.add("requests_failed")
             if cancelled:
                 continue  # vLLM already finished it; its blocks are freed, not recomputed
             failed.add(req_id)
