@@ -99,6 +99,60 @@ def test_a_lab_is_made_and_removed_whole(hosts) -> None:  # noqa: F811
     assert lab.down() == []  # again: nothing to do
 
 
+def test_a_namespace_that_cannot_be_cleared_keeps_no_other_one(
+        hosts, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """One host whose processes survive SIGKILL (a process stuck in the kernel) is named
+    in the error, and every other namespace of the lab is removed all the same; the lab's
+    state file stays until a later ``down`` removes the rest."""
+    lab = hosts("proxy", "prefill", "decode")
+    stuck = lab["prefill"].netns
+    real = hosts_mod._kill_all
+
+    def kill_all(netns: str) -> None:
+        if netns == stuck:
+            raise hosts_mod.HostsError(f"processes [4242] in {netns} survived SIGKILL for 5s")
+        real(netns)
+
+    monkeypatch.setattr(hosts_mod, "_kill_all", kill_all)
+    with pytest.raises(hosts_mod.HostsError) as info:
+        lab.down()
+    assert f"{stuck}: processes [4242]" in str(info.value), info.value
+    assert left_behind([lab.name]) == [stuck]
+    assert lab._state_file().exists()
+    monkeypatch.setattr(hosts_mod, "_kill_all", real)
+    assert lab.down() == [stuck]
+    assert left_behind([lab.name]) == [] and not lab._state_file().exists()
+
+
+def test_a_stop_signal_as_the_demo_removes_its_lab_does_not_cut_that_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT that lands as the demo's lab is being removed (here after a run that
+    failed before any rank started) is counted, and the lab still goes down whole. Before,
+    it unwound out of the removal and left the lab's namespaces behind."""
+    from sfa_rd2h.runtime.tools.demo import DemoConfig, DemoConfigError, run_demo
+    from sfa_rd2h.runtime.tools.demo import run as demo_run
+
+    pytest.importorskip("mooncake")
+    require_namespaces()
+    labs: list[str] = []
+    real_down = hosts_mod.Lab.down
+
+    def pressed_down(self: hosts_mod.Lab) -> list[str]:
+        labs.append(self.name)
+        MADE.add(self.name)
+        os.kill(os.getpid(), signal.SIGINT)  # handled here, before the removal begins
+        return real_down(self)
+
+    def fails_at_once(*args: object) -> None:
+        raise DemoConfigError("a run that fails before any rank starts")
+
+    monkeypatch.setattr(hosts_mod.Lab, "down", pressed_down)
+    monkeypatch.setattr(demo_run, "_run_demo", fails_at_once)
+    with pytest.raises(DemoConfigError, match="fails before any rank starts"):
+        run_demo(DemoConfig(engine="mooncake", hosts="netns", progress=False))
+    assert len(labs) == 1 and left_behind(labs) == []
+
+
 def test_a_failing_test_still_removes_its_lab() -> None:
     require_namespaces()
     name = lab_name()

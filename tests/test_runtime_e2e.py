@@ -483,6 +483,21 @@ def test_sweep_removes_only_dead_processes_files_of_this_user(tmp_path: Path) ->
     assert shm.owner_pid(names["dead_pool"]) == dead and shm.owner_pid("sfa_rd2h.x") is None
 
 
+def test_the_tp_group_port_is_never_one_of_decodes(monkeypatch) -> None:
+    """P1: Decode's ports are free until its ranks bind them, so a free-port draw for the
+    TP group could return one of them (rank 0's TP socket and another rank's KV socket on
+    one port: a run failing on "address in use"); such a draw is thrown back."""
+    from sfa_rd2h.runtime import ports
+    from sfa_rd2h.runtime.tools.demo import run as demo_run
+
+    draws = iter([20001, 20003, 20004, 20002])
+    monkeypatch.setattr(ports, "free_span", lambda host, n: next(draws))
+    assert demo_run._free_port_outside("127.0.0.1", range(20000, 20004)) == 20004
+    monkeypatch.setattr(ports, "free_span", lambda host, n: 20001)
+    with pytest.raises(DemoConfigError, match="no free port outside 20000-20003"):
+        demo_run._free_port_outside("127.0.0.1", range(20000, 20004), attempts=3)
+
+
 def test_fork_server_preloads_torch_only_for_a_gloo_group(monkeypatch) -> None:
     """The default demo never imports torch (it may not be installed); a gloo TP group
     preloads it where it is installed, and is refused up front where it is not."""

@@ -165,10 +165,20 @@ class Lab:
         removed. Safe to call again, and on a lab that was only partly made."""
         # Names hold no "-", so "<lab>-" prefixes exactly this lab's namespaces, the hub's
         # and those of hosts a failed ``up`` made before it was recorded.
-        removed = [ns for ns in list_namespaces() if ns.startswith(f"{self.name}-")]
+        prefix = f"{self.name}-"
+        removed = [ns for ns in list_namespaces() if ns.startswith(prefix)]
+        problems: list[str] = []
         for ns in removed:
-            _kill_all(ns)
-            _ip("netns", "delete", ns, check=False)
+            try:  # one namespace that cannot be cleared must not keep the others
+                _kill_all(ns)
+                _ip("netns", "delete", ns, check=False)
+            except (HostsError, subprocess.SubprocessError) as exc:
+                problems.append(f"{ns}: {exc}")
+        left = [ns for ns in list_namespaces() if ns.startswith(prefix)]
+        if left or problems:
+            # The state file stays, naming the lab for a later ``down``.
+            raise HostsError(f"lab {self.name} not wholly removed (left: {left}): "
+                             + "; ".join(problems))
         self._state_file().unlink(missing_ok=True)
         return removed
 

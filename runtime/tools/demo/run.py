@@ -147,6 +147,17 @@ def _free_span(host: str, n: int) -> int:
         raise DemoConfigError(f"P1: {exc}") from None
 
 
+def _free_port_outside(host: str, taken: range, attempts: int = 50) -> int:
+    """A free port not in ``taken``: Decode's ports are free until its ranks bind them, so
+    a draw that ignored them could hand one out twice."""
+    for _ in range(attempts):
+        port = _free_span(host, 1)
+        if port not in taken:
+            return port
+    raise DemoConfigError(f"P1: no free port outside {taken.start}-{taken.stop - 1} on "
+                          f"{host} after {attempts} draws")
+
+
 def _check_ports_free(host: str, base: int, n: int) -> None:
     """P1: say now, not from a child a second later, that a Decode port is taken."""
     for rank in range(n):
@@ -303,12 +314,21 @@ def run_demo(cfg: DemoConfig, *, exiting: bool = False) -> DemoResult:
 
     # One host each for the proxy (the metaserver), the Decode ranks and the Prefill ranks;
     # removed with whatever still runs there however the run ends - a stop signal included,
-    # which the handler turns into an unwinding exception for as long as the lab exists.
-    with ctrl_c, Lab.up(HOST_ROLES, "d" + secrets.token_hex(3)) as lab:
-        link_cut = _LinkCut(lab, "prefill", cfg.cut_length) if cfg.inject == "link-cut" \
-            else None
-        result = _run_demo(cfg, {r: lab[r].address for r in HOST_ROLES},
-                           {r: lab[r].netns for r in HOST_ROLES}, link_cut, ctrl_c)
+    # which the handler turns into an unwinding exception until the lab is being removed.
+    with ctrl_c:
+        lab = Lab.up(HOST_ROLES, "d" + secrets.token_hex(3))
+        try:
+            link_cut = _LinkCut(lab, "prefill", cfg.cut_length) if cfg.inject == "link-cut" \
+                else None
+            result = _run_demo(cfg, {r: lab[r].address for r in HOST_ROLES},
+                               {r: lab[r].netns for r in HOST_ROLES}, link_cut, ctrl_c)
+        finally:
+            # However it ended, the lab goes down whole: a stop signal now is only counted.
+            armed, ctrl_c.armed = ctrl_c.armed, False
+            try:
+                lab.down()
+            finally:
+                ctrl_c.armed = armed
     result.topology["lab"] = lab.name  # gone now: its namespaces were "<lab>-<host>"
     return result
 
@@ -420,7 +440,8 @@ def _run_demo(cfg: DemoConfig, addresses: dict[str, str], netns: dict[str, str],
             if cfg.inject == "metaserver-down":
                 relay = in_netns(proxy_ns, lambda: FlakyRelay(at["proxy"], proxy.metaserver_url,
                                                               METASERVER_CUTS))
-            tp_port = in_netns(decode_ns, lambda: _free_span(at["decode"], 1))
+            tp_port = in_netns(decode_ns, lambda: _free_port_outside(
+                at["decode"], range(base_port, base_port + cfg.d_tp)))
             plan = Plan(cfg, work.index, work.tokens, work.victim, total_blocks + 1, d_blocks,
                         proxy_url, base_port, tp_port, pool_path, trace_dir,
                         log_dir, metaserver_url=relay.url if relay is not None else None,
