@@ -118,13 +118,16 @@ def test_an_engine_whose_api_server_died_first_is_still_stopped_gracefully(
     import signal
 
     server, files, _ = _start(tmp_path, "slow")
+    assert server.proc is not None
+    pgid = server.proc.pid
     try:
-        assert server.proc is not None
-        os.kill(server.proc.pid, signal.SIGKILL)
+        os.kill(pgid, signal.SIGKILL)
         server.proc.wait()
         assert [comm for _, comm in server.processes()], "the stand-in runs on, seen"
         server.stop(timeout=15.0)
     finally:
+        if launch.group_members(pgid):  # whatever failed, the stand-in does not outlive it
+            os.killpg(pgid, signal.SIGKILL)
         launch.unlink_existing(files)
     assert sorted(server.shared_files) == sorted(files)
     assert server.unlinked == []  # it removed them itself, asked by SIGTERM
