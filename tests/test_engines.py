@@ -2124,7 +2124,7 @@ def test_a_registry_that_answers_a_byte_at_a_time_fails_the_read_at_the_deadline
     assert ret == TransferResult.PEER_UNREACHABLE, reader.last_error
     assert reader.last_error.startswith("PEER_UNREACHABLE: no registry answers at "), \
         reader.last_error
-    assert took < 3.0, took  # one timeout and a margin; each byte restarted it before
+    assert took < 5.0, took  # one 1 s timeout and a margin for a loaded box (before: ~100 s)
 
 
 def test_a_registry_in_this_pid_namespace_that_claims_another_is_refused_in_shm_mode(
