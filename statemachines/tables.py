@@ -175,13 +175,17 @@ REQUEST_STATUS = MachineSpec(
           conditions=("others_outstanding",), before=("record_final",)),
         T("contributor_final", "registered", "local_ok", ("R1", "T4"),
           before=("record_final",)),
-        # Once local completion was reached (and possibly reported to the TP group) it
-        # stands: later signals change nothing, and no byte is written any more (R2, R5).
+        # Once local completion was reached, later finals change nothing and no new read
+        # starts (R2, R5); only a read issued before it can still fail it (read_failed).
         T("contributor_final", "local_ok", "local_ok", ("R4", "R2")),
         T("contributor_final", "local_failed", "local_failed", ("R5",)),
         T("ratio_conflict", "registered", "local_failed", ("R1", "T1"), before=("record_error",)),
         T("ratio_conflict", "local_failed", "local_failed", ("R5",)),
         T("read_failed", "registered", "local_failed", ("R5", "F2"), before=("record_error",)),
+        # Every final may have come while a read issued before it is still in flight (one
+        # contributor's last READY names no block here); the request is reported to the TP
+        # group only once none is, so a late failure still fails it, before any report.
+        T("read_failed", "local_ok", "local_failed", ("R5", "F2"), before=("record_error",)),
         T("read_failed", "local_failed", "local_failed", ("R5",)),
         T("deadline_expired", "registered", "local_failed", ("R1", "C1"),
           before=("record_error",)),

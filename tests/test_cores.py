@@ -379,6 +379,53 @@ def test_local_completion_stands_once_reached():  # R2, R5
     assert d.local_outcome("r1") is True and d.stats.skipped_entries == 1
 
 
+def test_a_later_ready_never_overtakes_one_still_waiting_for_the_same_request():  # C1, R1
+    """Layer 0's READY names x and z and waits for z's destinations; another peer's READY
+    naming z is refused, which is failure evidence for z; then the final layer's READY
+    names x and z. It must wait behind layer 0's, not be served at once because z counts as
+    failed now: served, x would be final, and reported complete, with layer 0 never read.
+    When layer 0's wait expires, both are served, in order."""
+    d = decode(destination_wait=1.0)
+    d.register_request("x", [10, 11], [20, 21], 0.0)
+    for peer in ("p0", "p1"):
+        d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    both = (("x", (5,), (1,), 0, 0), ("z", (6,), (2,), 0, 0))
+    assert d.on_frame("p0", ready(layer=0, reqs=both), 0.0) == []  # waits for z (C1)
+    refused = wire.encode(wire.ReadReadyBatch(0, "l9", (wire.ReadReq("z", (6,), (2,)),), ()))
+    assert isinstance(wire.decode(sends(d.on_frame("p1", refused, 0.1))[0]), wire.ReadFailed)
+    assert d.on_frame("p0", ready(layer=1, reqs=both, done=("x",)), 0.2) == []  # behind it
+    reads = [a for a in d.tick(1.5) if isinstance(a, IssueRead)]
+    assert len(reads) == 2
+    assert sends(d.read_result(reads[0].read_id, 0, 1.6)) == [wire.encode(wire.ReadDone(0))]
+    assert d.local_outcome("x") is None  # layer 1, the final, not yet read
+    last = d.read_result(reads[1].read_id, 0, 1.6)
+    assert sends(last) == [wire.encode(wire.ReadDone(1))] and RequestReady("x", True) in last
+
+
+def test_a_read_that_fails_after_every_final_still_fails_the_request():  # R5, F2, R1
+    """Ratio 2: member 1's layer-0 read (its indexer piece, T2) is still in flight when
+    both members' finals have come (member 1's last READY names no block here), so the
+    request is locally complete but not yet reported (a read writes into it). That read
+    then fails: the request fails. Before, it was reported ok with a block never written."""
+    d = decode()
+    d.register_request("r1", [10, 11], [20, 21], 0.0)
+    for peer in ("p0", "p1"):
+        d.on_frame(peer, wire.encode(wire.MfMeta("s", LAYERS)), 0.0)
+    entry = (("r1", (5, 6), (1, 2), 0, 0),)
+    [late] = d.on_frame("p1", ready(reqs=entry, member=1, ratio=2), 0.0)
+    assert isinstance(late, IssueRead)
+    for layer in (0, 1):
+        [read] = d.on_frame("p0", ready(layer=layer, reqs=entry, member=0, ratio=2,
+                                        done=("r1",) if layer else ()), 0.0)
+        assert RequestReady("r1", True) not in d.read_result(read.read_id, 0, 0.0)
+    d.on_frame("p1", ready(layer=1, reqs=(), done=("r1",), member=1, ratio=2), 0.0)
+    assert d.requests["r1"].status.state == "local_ok" and d.local_outcome("r1") is None
+    actions = d.read_result(late.read_id, 7, 0.0)
+    assert sends(actions) == [wire.encode(wire.ReadFailed(0, "F2: batched read returned 7"))]
+    assert RequestReady("r1", False) in actions and d.local_outcome("r1") is False
+    assert "F2" in d.requests["r1"].status.error
+
+
 def test_next_step_may_be_scheduled_before_the_last_layer_lands():  # C2, C4
     p = prefill()
     p.add_request("r1", PARAMS, [5, 6, 7], [1, 2, 3])

@@ -380,13 +380,17 @@ class DecodeCore:
         if key is not None and self._step is not None and self._step.key == key:
             return self._plan(ready, now, key)
         # T6: an entry with both lists empty reads nothing, so it waits for no destinations
+        # A READY also waits where an earlier one still waits for the same request: failure
+        # evidence that came in between (another peer's refused READY, a false positive of
+        # the hashed set) must not let a later layer, a final one above all, overtake it.
         known = self.requests.__contains__
         missing = frozenset() if all(map(known, map(_EXT_ID, msg.read_reqs))) else frozenset(
             e.ext_req_id for e in msg.read_reqs
             if (len(e.p_main_block_ids) or len(e.p_indexer_block_ids))
             and e.ext_req_id not in self.requests and e.ext_req_id not in self.terminal
-            and e.ext_req_id not in self._failed_unregistered
-            and not self._maybe_failed(e.ext_req_id))
+            and (e.ext_req_id in self._waiting_by_id
+                 or (e.ext_req_id not in self._failed_unregistered
+                     and not self._maybe_failed(e.ext_req_id))))
         if missing:
             if (len(self._waiting) >= self.limits.waiting_readys
                     or self._waiting_bytes + len(payload) > self.limits.waiting_bytes):
@@ -672,7 +676,7 @@ class DecodeCore:
                     if req is None:
                         if entry.ext_req_id not in self.terminal:
                             self._remember_failure(entry.ext_req_id, error)
-                    elif req.status.state == "registered":
+                    elif req.status.state in ("registered", "local_ok"):  # R5
                         actions += self._fail_request(entry.ext_req_id, error)
                     else:
                         actions += self._maybe_ready(req)
@@ -698,6 +702,8 @@ class DecodeCore:
                 for ext in missing:
                     self._remember_failure(ext, error)
                 actions += self._serve_waiting(ready, "wait_expired", now)
+                for ext in missing:  # the READYs queued behind it for these wait no more
+                    actions += self._stop_awaiting(ext, now)
             else:
                 req = self.requests.get(str(what))
                 if req is not None and req.status.state == "registered" and \
