@@ -442,7 +442,12 @@ def test_a_link_cut_through_vllm_fails_its_victims_quickly_and_then_heals(
                 # per call, nothing pooled) lost what the cut dropped and ended only once
                 # the link was back
                 assert f"prefill {engines['prefill'].url} failed:" in got.body, got.body
-            assert end - restored < 40.0, end - restored  # the retried report, not R1
+            # Not R1 (120 s from a request begun before the cut, so >= 106 s after the
+            # restore). A report's retries end within 40 s of it; an S6 refusal can come
+            # later: a READY sent well after the restore, whose Mooncake read blocked on the
+            # connection the cut left dead (11.4 s, refused 45.6 s after the restore, in a
+            # fresh-clone run at a471b1f).
+            assert end - restored < 90.0, end - restored
         print(f"long cut: {len(victims)} of {len(long)} failed, "
               f"{[round(end - restored, 1) for _, end in victims]} s after the restore")
 
