@@ -458,14 +458,9 @@ def test_a_client_gone_before_decode_registered_an_early_completion(backends, pr
     assert last["outcome"] == "client gone" and last["early"] is True
 
 
-def test_an_early_completion_failed_by_prefill_still_learns_decode_registered(backends, proxy):
-    """C3, F1: Prefill fails an early completion before Decode posted its rendezvous; the
-    proxy holds Decode's call until that rendezvous (it may already have READYs waiting),
-    which is answered 409 since the completion failed but still counts as Decode having
-    registered, so the client gets Prefill's error rather than waiting out the rendezvous
-    timeout."""
-    backends.keeps_local_prefix = True
-    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+def _failed_by_prefill_before_its_rendezvous(backends, proxy) -> None:  # type: ignore[no-untyped-def]
+    """An early completion that Prefill fails before Decode posted its rendezvous: the
+    proxy waits for that rendezvous, then the client gets Prefill's error."""
     backends.prefill_mode = "error"
     backends.rendezvous_gate.clear()
     backends.decode_release.clear()
@@ -476,6 +471,17 @@ def test_an_early_completion_failed_by_prefill_still_learns_decode_registered(ba
     t.join(15)
     r = result["r"]
     assert r.status_code == 502 and "prefill exploded" in r.text, r.text
+
+
+def test_an_early_completion_failed_by_prefill_still_learns_decode_registered(backends, proxy):
+    """C3, F1: Prefill fails an early completion before Decode posted its rendezvous; the
+    proxy holds Decode's call until that rendezvous (it may already have READYs waiting),
+    which is answered 409 since the completion failed but still counts as Decode having
+    registered, so the client gets Prefill's error rather than waiting out the rendezvous
+    timeout."""
+    backends.keeps_local_prefix = True
+    assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    _failed_by_prefill_before_its_rendezvous(backends, proxy)
     assert backends.decode_cancelled.wait(10)
     assert proxy.records(2, timeout=10.0)[-1]["early"] is True
 
@@ -490,16 +496,7 @@ def test_a_failed_early_completion_still_teaches_what_its_decode_told(backends, 
     backends.keeps_local_prefix = True
     assert complete(proxy, {"model": "m", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
     backends.decode_port = 20001
-    backends.prefill_mode = "error"
-    backends.rendezvous_gate.clear()
-    backends.decode_release.clear()
-    entered = _when_waiting_for_decode(proxy)
-    t, result = _in_thread(proxy, {"model": "m", "prompt": [3], "max_tokens": 1})
-    assert entered.wait(10)  # Prefill failed it; the proxy waits for Decode's rendezvous
-    backends.rendezvous_gate.set()
-    t.join(15)
-    r = result["r"]
-    assert r.status_code == 502 and "prefill exploded" in r.text, r.text
+    _failed_by_prefill_before_its_rendezvous(backends, proxy)
     assert backends.prefill_calls[-1]["body"]["kv_transfer_params"]["remote_port"] == 20000
     backends.prefill_mode = "ok"
     backends.decode_release.set()
